@@ -1,0 +1,143 @@
+"""Synchronous client: one session per client, kept open by a background thread."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from kvtier import ops
+from kvtier.paths import normalize_address
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+DEFAULT_TIMEOUT = 5.0
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def hello(engine_name: str) -> pb.SessionRequest:
+    return pb.SessionRequest(hello=pb.Hello(engine_name=engine_name, pid=os.getpid(), hostname=socket.gethostname()))
+
+
+class KVTierClient:
+    """Blocking client. `connect()` opens the session; every call raises grpc.RpcError on failure."""
+
+    def __init__(self, address: str | None = None, engine_name: str = "", timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.address = normalize_address(address)
+        self.engine_name = engine_name or f"pid-{os.getpid()}"
+        self.timeout = timeout
+        self.state = ops.SessionState()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.KVTierStub | None = None
+        self._admin: pb_grpc.KVTierAdminStub | None = None
+        self._outbox: queue.Queue = queue.Queue()
+        self._alive = threading.Event()
+
+    # ------------------------------------------------------------------ session
+
+    def connect(self) -> KVTierClient:
+        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._admin = pb_grpc.KVTierAdminStub(self._channel)
+        self._outbox = queue.Queue()
+        self._outbox.put(hello(self.engine_name))
+        call = self._stub.Session(iter(self._outbox.get, None), wait_for_ready=False)
+        first: queue.Queue = queue.Queue()
+        threading.Thread(target=self._watch, args=(call, first), name="kvtier-session", daemon=True).start()
+        try:
+            event = first.get(timeout=self.timeout)
+        except queue.Empty:
+            call.cancel()
+            raise ConnectionError(f"no session from kvtierd at {self.address} within {self.timeout}s") from None
+        if isinstance(event, BaseException):
+            raise event
+        self.state.session_id = event.session_id
+        self.state.pool_info = event.pool
+        self.state.limits = event.limits
+        self._alive.set()
+        return self
+
+    def _watch(self, call, first: queue.Queue) -> None:
+        try:
+            for event in call:
+                first.put(event)
+        except grpc.RpcError as exc:
+            first.put(exc)
+        finally:
+            self._alive.clear()
+
+    @property
+    def connected(self) -> bool:
+        return self._alive.is_set()
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self.state.close_pool()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._alive.clear()
+
+    def __enter__(self) -> KVTierClient:
+        return self if self.connected else self.connect()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def admin(self) -> pb_grpc.KVTierAdminStub:
+        if self._admin is None:
+            raise ConnectionError("not connected")
+        return self._admin
+
+    def _run(self, op: ops.Op):
+        if self._stub is None:
+            raise ConnectionError("not connected")
+        response = None
+        try:
+            while True:
+                method, request = op.send(response)
+                response = getattr(self._stub, method)(request, timeout=self.timeout)
+        except StopIteration as done:
+            return done.value
+
+    # ------------------------------------------------------------------ data plane
+
+    def register(self, spec: pb.NamespaceSpec) -> ops.Namespace:
+        return self._run(ops.register(self.state, spec))
+
+    def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
+        return self._run(ops.lookup(self.state, ns, hashes, pin))
+
+    def release(self, lease_id: int) -> None:
+        self._run(ops.release(self.state, lease_id))
+
+    def load(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm") -> np.ndarray:
+        return self._run(ops.load(self.state, ns, hashes, lease_id, transport))
+
+    def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:
+        return self._run(ops.reserve(self.state, ns, hashes))
+
+    def write(self, reservation_id: int, index: int, offset: int, data: bytes) -> None:
+        self._run(ops.write(self.state, reservation_id, index, offset, data))
+
+    def commit(self, reservation_id: int, data: bytes = b"") -> int:
+        return self._run(ops.commit(self.state, reservation_id, data))
+
+    def abort(self, reservation_id: int) -> None:
+        self._run(ops.abort(self.state, reservation_id))
+
+    def store(self, ns: ops.Namespace, hashes: Sequence[bytes], data: np.ndarray, transport: str = "shm") -> int:
+        return self._run(ops.store(self.state, ns, hashes, data, transport))

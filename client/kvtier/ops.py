@@ -1,0 +1,151 @@
+"""Client operations written once, without I/O: each is a generator that yields `(rpc_name, request)`
+and receives the response. The sync client drives them with blocking calls, the asyncio client with
+awaits, so both share every line of request building, validation and pool copying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.pool_view import PoolMapping, decode_page_ids
+from kvtier.v1 import kvtier_pb2 as pb
+
+Op = Generator[tuple[str, object], object, object]
+
+TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "inline": pb.TRANSPORT_INLINE}
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A registered namespace: its id and the geometry calls are checked against."""
+
+    id: str
+    spec: pb.NamespaceSpec
+    block_bytes: int
+    pages_per_block: int
+
+    @property
+    def hash_bytes(self) -> int:
+        return self.spec.hash_bytes
+
+
+@dataclass
+class LookupResult:
+    hit_count: int
+    lease_id: int = 0
+    page_ids: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.uint32))
+
+
+@dataclass
+class Reservation:
+    id: int
+    statuses: np.ndarray  # pb.BlockStatus per hash
+    page_ids: np.ndarray  # [reserved, pages_per_block]
+
+    @property
+    def reserved_indices(self) -> np.ndarray:
+        return np.flatnonzero(self.statuses == pb.BLOCK_STATUS_RESERVED)
+
+
+@dataclass
+class SessionState:
+    """What an open session knows: its id and the pool it maps for the shm transport."""
+
+    session_id: str = ""
+    pool_info: pb.PoolInfo | None = None
+    limits: pb.Limits | None = None
+    _mapping: PoolMapping | None = None
+    _mapped_pool_id: str = ""
+
+    def pool(self) -> PoolMapping:
+        if self.pool_info is None:
+            raise ConnectionError("no session: connect first")
+        if self._mapping is None or self._mapped_pool_id != self.pool_info.pool_id:
+            self.close_pool()
+            info = self.pool_info
+            self._mapping = PoolMapping(info.shm_path, info.size_bytes, info.page_size)
+            self._mapped_pool_id = info.pool_id
+        return self._mapping
+
+    def close_pool(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+
+def join_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
+    return hashes if isinstance(hashes, (bytes, bytearray)) else b"".join(hashes)
+
+
+def register(state: SessionState, spec: pb.NamespaceSpec) -> Op:
+    response = yield "Register", pb.RegisterRequest(session_id=state.session_id, spec=spec)
+    return Namespace(response.namespace, spec, response.block_bytes, response.pages_per_block)
+
+
+def lookup(state: SessionState, ns: Namespace, hashes, pin: bool = False) -> Op:
+    request = pb.LookupRequest(session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes), pin=pin)
+    response = yield "Lookup", request
+    if not response.lease_id:
+        return LookupResult(response.hit_count)
+    return LookupResult(response.hit_count, response.lease_id, decode_page_ids(response.page_ids, ns.pages_per_block))
+
+
+def release(state: SessionState, lease_id: int) -> Op:
+    yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=lease_id)
+
+
+def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, transport: str = "shm") -> Op:
+    """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy)."""
+    request = pb.LoadRequest(
+        session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes), lease_id=lease_id, transport=TRANSPORTS[transport]
+    )
+    response = yield "Load", request
+    if transport == "inline":
+        return np.frombuffer(response.data, dtype=np.uint8).reshape(response.block_count, ns.block_bytes)
+    if response.block_count == 0:
+        return np.empty((0, ns.block_bytes), dtype=np.uint8)
+    try:
+        return state.pool().view.read_blocks(decode_page_ids(response.page_ids, ns.pages_per_block), ns.block_bytes)
+    finally:
+        yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=response.lease_id)
+
+
+def reserve(state: SessionState, ns: Namespace, hashes) -> Op:
+    response = yield "Reserve", pb.ReserveRequest(session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes))
+    page_ids = decode_page_ids(response.page_ids, ns.pages_per_block)
+    return Reservation(response.reservation_id, np.asarray(response.status, dtype=np.uint8), page_ids)
+
+
+def write(state: SessionState, reservation_id: int, index: int, offset: int, data: bytes) -> Op:
+    request = pb.WriteRequest(session_id=state.session_id, reservation_id=reservation_id, index=index, offset=offset, data=data)
+    yield "Write", request
+
+
+def commit(state: SessionState, reservation_id: int, data: bytes = b"") -> Op:
+    response = yield "Commit", pb.CommitRequest(session_id=state.session_id, reservation_id=reservation_id, data=data)
+    return response.committed_count
+
+
+def abort(state: SessionState, reservation_id: int) -> Op:
+    yield "Abort", pb.AbortRequest(session_id=state.session_id, reservation_id=reservation_id)
+
+
+def store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np.ndarray, transport: str = "shm") -> Op:
+    """Store blocks `data` [n, block_bytes] under `hashes`; returns how many were newly committed."""
+    if data.shape != (len(hashes), ns.block_bytes):
+        raise ValueError(f"data shape {data.shape} does not match {len(hashes)} blocks of {ns.block_bytes} bytes")
+    reservation = yield from reserve(state, ns, hashes)
+    if not reservation.id:
+        return 0
+    chosen = data[reservation.reserved_indices]
+    if transport == "inline":
+        return (yield from commit(state, reservation.id, np.ascontiguousarray(chosen).tobytes()))
+    try:
+        state.pool().view.write_blocks(reservation.page_ids, chosen)
+    except BaseException:
+        yield from abort(state, reservation.id)
+        raise
+    return (yield from commit(state, reservation.id))

@@ -1,0 +1,53 @@
+"""Namespaces: the digest of everything that makes two engines' bytes for one block hash interchangeable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from kvtier.v1 import kvtier_pb2 as pb
+
+from kvtierd.errors import InvalidArgument
+
+# Bump when the meaning of stored bytes changes; old namespaces then never match new ones.
+NAMESPACE_FORMAT_VERSION = 1
+MAX_HASH_BYTES = 64
+
+
+def spec_to_dict(spec: pb.NamespaceSpec) -> dict:
+    """Every field of the spec, defaults included, in a canonical form."""
+    result: dict = {}
+    for field in spec.DESCRIPTOR.fields:
+        value = getattr(spec, field.name)
+        if hasattr(value, "items"):  # map field
+            result[field.name] = dict(sorted(value.items()))
+        elif isinstance(value, (str, bytes, int, float, bool)):
+            result[field.name] = value
+        else:  # repeated scalar field
+            result[field.name] = list(value)
+    return result
+
+
+def namespace_digest(spec: pb.NamespaceSpec) -> str:
+    canonical = {"format_version": NAMESPACE_FORMAT_VERSION, "spec": spec_to_dict(spec)}
+    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(encoded).hexdigest()[:32]
+
+
+def validate_spec(spec: pb.NamespaceSpec, pool_size: int) -> None:
+    if not spec.model_id:
+        raise InvalidArgument("namespace spec: model_id is required")
+    if spec.block_bytes == 0 or spec.block_bytes > pool_size // 4:
+        raise InvalidArgument(
+            f"namespace spec: block_bytes must be in 1..{pool_size // 4} (a quarter of the pool), got {spec.block_bytes}"
+        )
+    if not 1 <= spec.hash_bytes <= MAX_HASH_BYTES:
+        raise InvalidArgument(f"namespace spec: hash_bytes must be in 1..{MAX_HASH_BYTES}, got {spec.hash_bytes}")
+    if spec.tokens_per_block == 0:
+        raise InvalidArgument("namespace spec: tokens_per_block must be > 0")
+    if spec.chunk_bytes and sum(spec.chunk_bytes) != spec.block_bytes:
+        raise InvalidArgument(
+            f"namespace spec: chunk_bytes add up to {sum(spec.chunk_bytes)}, not block_bytes {spec.block_bytes}"
+        )
+    if spec.tp_size and spec.tp_rank >= spec.tp_size:
+        raise InvalidArgument(f"namespace spec: tp_rank {spec.tp_rank} out of range for tp_size {spec.tp_size}")

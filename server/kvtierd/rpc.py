@@ -1,0 +1,38 @@
+"""Turns a plain handler into a grpc.aio unary method: timing, error statuses and log lines."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import grpc
+
+from kvtierd.errors import KVTierError
+from kvtierd.metrics import Metrics
+
+log = logging.getLogger("kvtierd.rpc")
+
+
+def unary(method):
+    """`method(self, request, context) -> response`; `self.metrics` must be a Metrics."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self, request, context: grpc.aio.ServicerContext):
+        metrics: Metrics = self.metrics
+        started = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except KVTierError as exc:
+            code, message = exc.code, str(exc)
+            log.warning("request refused", extra={"method": name, "code": code.name, "reason": message, "peer": context.peer()})
+        except Exception:  # a bug must not take the daemon down: report INTERNAL and keep serving
+            code, message = grpc.StatusCode.INTERNAL, f"internal error in {name}; see the daemon log"
+            log.exception("request failed", extra={"method": name, "peer": context.peer()})
+        finally:
+            metrics.rpc_duration.labels(name).observe(time.perf_counter() - started)
+        metrics.rpc_errors.labels(name, code.name).inc()
+        await context.abort(code, message)
+
+    return handler

@@ -1,0 +1,172 @@
+"""Assembles and runs the daemon: pool, index, gRPC services, metrics, expiry, signals, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+from prometheus_client import start_http_server
+
+from kvtierd import __version__
+from kvtierd.admin_service import AdminService
+from kvtierd.block_store import BlockStore
+from kvtierd.config import Config
+from kvtierd.data_service import DataService
+from kvtierd.metrics import Metrics
+from kvtierd.sessions import SessionRegistry
+from kvtierd.shm_pool import SharedPool, pool_file_prefix
+
+log = logging.getLogger("kvtierd")
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+_UNIX_PATH_MAX = 107
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["KVTier"].full_name,
+    pb.DESCRIPTOR.services_by_name["KVTierAdmin"].full_name,
+)
+
+
+@dataclass
+class Daemon:
+    config: Config
+    pool: SharedPool
+    store: BlockStore
+    sessions: SessionRegistry
+    metrics: Metrics
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    metrics_port: int
+
+
+def prepare_socket(path) -> None:
+    """Create the socket's directory (0750) and refuse to start over a live daemon; remove a stale socket."""
+    if len(str(path)) > _UNIX_PATH_MAX:
+        raise SystemExit(f"kvtierd: socket path is longer than {_UNIX_PATH_MAX} bytes: {path}")
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o750)
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise SystemExit(f"kvtierd: cannot use socket {path}: {exc}") from exc
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise SystemExit(f"kvtierd: another daemon is serving on {path}")
+
+
+def build(config: Config) -> Daemon:
+    prepare_socket(config.socket)
+    pool = SharedPool(config.shm_dir, pool_file_prefix(config.socket), config.pool_size, config.page_size, config.shm_mode)
+    if config.prefault:
+        started = time.perf_counter()
+        pool.prefault()
+        log.info("pool pre-faulted", extra={"bytes": pool.size, "seconds": round(time.perf_counter() - started, 3)})
+    cuda_registered = config.cuda_register and pool.register_cuda()
+    store = BlockStore(
+        num_pages=pool.num_pages,
+        page_size=config.page_size,
+        eviction=config.eviction,
+        store_threshold=config.store_threshold,
+        lease_ttl=config.lease_ttl,
+        max_namespaces=config.max_namespaces,
+        max_batch_blocks=config.max_batch_blocks,
+    )
+    sessions = SessionRegistry()
+    metrics = Metrics(store, sessions)
+    metrics_port = -1
+    if config.metrics_port >= 0:
+        http_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
+        metrics_port = http_server.server_port
+    limits = pb.Limits(
+        max_batch_blocks=config.max_batch_blocks,
+        max_message_bytes=config.max_message_size,
+        lease_ttl_ms=int(config.lease_ttl * 1000),
+        max_namespaces=config.max_namespaces,
+    )
+    pool_info = pb.PoolInfo(
+        pool_id=pool.pool_id, shm_path=str(pool.path), size_bytes=pool.size, page_size=pool.page_size, cuda_registered=cuda_registered
+    )
+    info = pb.GetInfoResponse(
+        version=__version__,
+        pool=pool_info,
+        config=config.as_strings(),
+        started_at=time.time(),
+        socket_path=str(config.socket),
+        tcp_listen=config.listen,
+        metrics_port=max(metrics_port, 0),
+        limits=limits,
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_size),
+            ("grpc.max_send_message_length", config.max_message_size),
+        ]
+    )
+    pb_grpc.add_KVTierServicer_to_server(DataService(store, pool, sessions, metrics, limits, pool_info), server)
+    pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.add_insecure_port(f"unix://{config.socket}")
+    if config.listen:
+        server.add_insecure_port(config.listen)
+    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port)
+
+
+async def expire_leases(daemon: Daemon) -> None:
+    interval = min(1.0, daemon.config.lease_ttl / 4)
+    while True:
+        await asyncio.sleep(interval)
+        leases, reservations = daemon.store.expire()
+        if leases or reservations:
+            log.warning("expired unused holds", extra={"leases": leases, "reservations": reservations})
+
+
+async def serve(config: Config) -> None:
+    daemon = build(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await daemon.server.start()
+    os.chmod(config.socket, config.socket_mode)
+    for name in ("", *SERVICE_NAMES):
+        await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    expiry = asyncio.create_task(expire_leases(daemon))
+    log.info(
+        "kvtierd serving",
+        extra={
+            "version": __version__,
+            "socket": str(config.socket),
+            "tcp": config.listen or "off",
+            "metrics_port": daemon.metrics_port,
+            "pool_bytes": daemon.pool.size,
+            "pool_file": str(daemon.pool.path),
+            "cuda_registered": daemon.pool.cuda is not None and daemon.pool.cuda.active,
+            "eviction": config.eviction,
+        },
+    )
+    await stop.wait()
+    log.info("shutting down", extra={"grace_seconds": SHUTDOWN_GRACE_SECONDS})
+    await daemon.health.enter_graceful_shutdown()
+    await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
+    expiry.cancel()
+    daemon.pool.close()
+    config.socket.unlink(missing_ok=True)
+    log.info("stopped")
