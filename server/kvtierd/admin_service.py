@@ -45,6 +45,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
             reserved_bytes=usage.reserved_pages * store.page_size,
             pinned_blocks=usage.pinned_blocks,
             engines_connected=len(self.sessions),
+            pool_used_bytes=usage.used_pages * store.page_size,
         )
         blocks = used = 0
         for ns in selected:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from kvtier.messages import message_to_dict
 from kvtier.v1 import kvtier_pb2 as pb
 
 from kvtierd.errors import InvalidArgument
@@ -14,22 +15,8 @@ NAMESPACE_FORMAT_VERSION = 1
 MAX_HASH_BYTES = 64
 
 
-def spec_to_dict(spec: pb.NamespaceSpec) -> dict:
-    """Every field of the spec, defaults included, in a canonical form."""
-    result: dict = {}
-    for field in spec.DESCRIPTOR.fields:
-        value = getattr(spec, field.name)
-        if hasattr(value, "items"):  # map field
-            result[field.name] = dict(sorted(value.items()))
-        elif isinstance(value, (str, bytes, int, float, bool)):
-            result[field.name] = value
-        else:  # repeated scalar field
-            result[field.name] = list(value)
-    return result
-
-
 def namespace_digest(spec: pb.NamespaceSpec) -> str:
-    canonical = {"format_version": NAMESPACE_FORMAT_VERSION, "spec": spec_to_dict(spec)}
+    canonical = {"format_version": NAMESPACE_FORMAT_VERSION, "spec": message_to_dict(spec)}
     encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(encoded).hexdigest()[:32]
 

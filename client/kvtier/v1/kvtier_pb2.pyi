@@ -371,18 +371,20 @@ class GetStatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "reserved_bytes", "pinned_blocks", "engines_connected")
+    __slots__ = ("tiers", "namespaces", "reserved_bytes", "pinned_blocks", "engines_connected", "pool_used_bytes")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     reserved_bytes: int
     pinned_blocks: int
     engines_connected: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., engines_connected: _Optional[int] = ...) -> None: ...
+    pool_used_bytes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., engines_connected: _Optional[int] = ..., pool_used_bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
     __slots__ = ("namespace", "spec", "blocks", "bytes", "engines", "created_at")

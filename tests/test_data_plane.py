@@ -1,0 +1,112 @@
+"""Store, lookup and load through the real daemon over its Unix socket, with both transports."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from blocks import chain_hashes, contents, spec
+
+from kvtier.aio import AsyncKVTierClient
+from kvtier.client import KVTierClient
+from kvtier.v1 import kvtier_pb2 as pb
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+@pytest.mark.parametrize("block_bytes", [96 * 1024, 32 * 1024, 5000])
+def test_round_trip_is_byte_exact(client, transport, block_bytes):
+    ns = client.register(spec(block_bytes=block_bytes))
+    hashes = chain_hashes(f"rt-{transport}-{block_bytes}", 12)
+    data = contents(hashes, block_bytes)
+    assert client.store(ns, hashes, data, transport=transport) == 12
+    assert client.store(ns, hashes, data, transport=transport) == 0  # already present
+    assert client.lookup(ns, hashes).hit_count == 12
+    for load_transport in ("shm", "inline"):
+        assert np.array_equal(client.load(ns, hashes, transport=load_transport), data)
+    # a prefix with an unknown tail loads only the present prefix
+    mixed = hashes[:5] + chain_hashes("unknown", 3)
+    assert np.array_equal(client.load(ns, mixed, transport=transport), data[:5])
+
+
+def test_second_engine_sees_first_engines_blocks(daemon):
+    hashes = chain_hashes("shared", 8)
+    data = contents(hashes, 96 * 1024)
+    with KVTierClient(daemon.address, engine_name="A") as a:
+        ns_a = a.register(spec())
+        a.store(ns_a, hashes, data)
+    with KVTierClient(daemon.address, engine_name="B") as b:
+        ns_b = b.register(spec())
+        assert ns_b.id == ns_a.id
+        assert np.array_equal(b.load(ns_b, hashes), data)
+        other = b.register(spec(model_id="another-model"))
+        assert other.id != ns_a.id
+        assert b.lookup(other, hashes).hit_count == 0
+
+
+def test_inline_partial_writes_then_commit(client):
+    ns = client.register(spec(block_bytes=70_000))
+    hashes = chain_hashes("partial", 2)
+    data = contents(hashes, 70_000)
+    reservation = client.reserve(ns, hashes)
+    for index in range(2):
+        for offset in range(0, 70_000, 30_000):
+            client.write(reservation.id, index, offset, data[index, offset : offset + 30_000].tobytes())
+    assert client.commit(reservation.id) == 2
+    assert np.array_equal(client.load(ns, hashes, transport="inline"), data)
+
+
+def test_pinned_lookup_then_load_by_lease(client):
+    ns = client.register(spec())
+    hashes = chain_hashes("lease", 4)
+    data = contents(hashes, ns.block_bytes)
+    client.store(ns, hashes, data)
+    result = client.lookup(ns, hashes, pin=True)
+    assert result.hit_count == 4 and result.lease_id and result.page_ids.shape == (4, ns.pages_per_block)
+    assert np.array_equal(client.load(ns, lease_id=result.lease_id, transport="inline"), data)
+    stats = client.admin.GetStats(pb.GetStatsRequest())
+    assert stats.pinned_blocks == 0  # the inline load released the lease
+
+
+def test_eviction_under_pressure_keeps_recent_blocks(start_daemon):
+    daemon = start_daemon("--pool-size", "4MiB", "--page-size", "32KiB")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=256 * 1024))  # 16 blocks fit
+        old = chain_hashes("old", 8)
+        client.store(ns, old, contents(old, ns.block_bytes))
+        client.lookup(ns, old[:4])  # keep the first four warm
+        new = chain_hashes("new", 8)
+        assert client.store(ns, new, contents(new, ns.block_bytes)) == 8
+        newer = chain_hashes("newer", 4)
+        assert client.store(ns, newer, contents(newer, ns.block_bytes)) == 4
+        assert client.lookup(ns, old[:4]).hit_count == 4
+        assert client.lookup(ns, old[4:]).hit_count == 0
+        assert np.array_equal(client.load(ns, newer), contents(newer, ns.block_bytes))
+        stats = client.admin.GetStats(pb.GetStatsRequest())
+        assert stats.tiers[0].evictions == 4
+        assert stats.tiers[0].blocks == 16
+
+
+def test_store_threshold_through_the_daemon(start_daemon):
+    daemon = start_daemon("--pool-size", "16MiB", "--store-threshold", "2")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec())
+        hashes = chain_hashes("admit", 3)
+        data = contents(hashes, ns.block_bytes)
+        assert client.store(ns, hashes, data) == 0
+        assert client.lookup(ns, hashes).hit_count == 0
+        assert client.store(ns, hashes, data) == 3
+        assert client.lookup(ns, hashes).hit_count == 3
+
+
+def test_asyncio_client(daemon):
+    async def scenario():
+        hashes = chain_hashes("async", 6)
+        async with AsyncKVTierClient(daemon.address, engine_name="aio") as client:
+            ns = await client.register(spec())
+            data = contents(hashes, ns.block_bytes)
+            stored = await asyncio.gather(client.store(ns, hashes[:3], data[:3]), client.store(ns, hashes[3:], data[3:]))
+            assert sum(stored) == 6
+            assert (await client.lookup(ns, hashes)).hit_count == 6
+            assert np.array_equal(await client.load(ns, hashes), data)
+            assert np.array_equal(await client.load(ns, hashes, transport="inline"), data)
+
+    asyncio.run(scenario())

@@ -1,0 +1,60 @@
+import pytest
+from blocks import spec
+
+from kvtierd.errors import InvalidArgument
+from kvtierd.namespace import namespace_digest, validate_spec
+
+
+def test_identical_specs_share_a_namespace():
+    assert namespace_digest(spec()) == namespace_digest(spec())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_id": "other"},
+        {"tokens_per_block": 32},
+        {"kv_dtype": "float16"},
+        {"layout": "HND"},
+        {"num_layers": 5},
+        {"num_kv_heads": 4},
+        {"head_size": 128},
+        {"block_bytes": 4096},
+        {"chunk_bytes": [96 * 1024]},
+        {"tp_size": 2},
+        {"tp_rank": 0, "tp_size": 4},
+        {"hash_algorithm": "sha256_cbor"},
+        {"hash_seed": "seed-2"},
+        {"hash_bytes": 16},
+        {"extra": {"cache_layout_version": "2"}},
+    ],
+)
+def test_any_difference_is_another_namespace(change):
+    assert namespace_digest(spec(**change)) != namespace_digest(spec())
+
+
+def test_every_spec_field_is_in_the_digest():
+    base = spec()
+    for field in base.DESCRIPTOR.fields:
+        assert field.name in {
+            "model_id", "tokens_per_block", "kv_dtype", "layout", "num_layers", "num_kv_heads", "head_size",
+            "block_bytes", "chunk_bytes", "tp_size", "tp_rank", "hash_algorithm", "hash_seed", "hash_bytes", "extra",
+        }, f"new field {field.name}: add it to test_any_difference_is_another_namespace"
+
+
+def test_format_version_changes_the_digest(monkeypatch):
+    import kvtierd.namespace as namespace
+
+    before = namespace_digest(spec())
+    monkeypatch.setattr(namespace, "NAMESPACE_FORMAT_VERSION", namespace.NAMESPACE_FORMAT_VERSION + 1)
+    assert namespace.namespace_digest(spec()) != before
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"model_id": ""}, {"block_bytes": 0}, {"hash_bytes": 0}, {"hash_bytes": 65}, {"tokens_per_block": 0},
+     {"chunk_bytes": [1, 2]}, {"tp_size": 2, "tp_rank": 2}, {"block_bytes": 1 << 40}],
+)
+def test_invalid_specs_are_refused(bad):
+    with pytest.raises(InvalidArgument):
+        validate_spec(spec(**bad), pool_size=1 << 30)

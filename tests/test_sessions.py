@@ -1,0 +1,80 @@
+"""Sessions and liveness: a dead client's holds are released at once; concurrent clients keep invariants."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from blocks import chain_hashes, spec
+
+from kvtier.client import KVTierClient
+from kvtier.v1 import kvtier_pb2 as pb
+
+WORKER = str(Path(__file__).parent / "worker.py")
+
+
+def pool_accounting(daemon):
+    stats = daemon.admin("GetStats")
+    namespaces = {n.namespace: n for n in daemon.admin("ListNamespaces").namespaces}
+    page_size = daemon.admin("GetInfo").pool.page_size
+    committed = sum(n.blocks * -(-n.spec.block_bytes // page_size) * page_size for n in namespaces.values())
+    return stats, committed
+
+
+def test_sigkill_mid_store_releases_everything_at_once(start_daemon):
+    daemon = start_daemon("--pool-size", "32MiB", "--lease-ttl", "600")
+    worker = subprocess.Popen([sys.executable, WORKER, daemon.address, "hold"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "holding"
+        stats, _ = pool_accounting(daemon)
+        assert stats.reserved_bytes > 0 and stats.pinned_blocks == 4 and stats.engines_connected == 1
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 3  # far below the 600 s lease ttl
+        while time.monotonic() < deadline:
+            stats, committed = pool_accounting(daemon)
+            if stats.engines_connected == 0 and stats.reserved_bytes == 0 and stats.pinned_blocks == 0:
+                break
+            time.sleep(0.05)
+        assert (stats.engines_connected, stats.reserved_bytes, stats.pinned_blocks) == (0, 0, 0)
+        assert stats.pool_used_bytes == committed  # no leaked pages
+        assert stats.tiers[0].blocks == 4
+        assert "aborted_reservations=1" in daemon.log() and "released_leases=1" in daemon.log()
+    finally:
+        worker.kill()
+    with KVTierClient(daemon.address) as client:  # the half-written blocks never became visible
+        ns = client.register(spec(block_bytes=40_000))
+        assert client.lookup(ns, chain_hashes("half-written", 16)).hit_count == 0
+        assert client.lookup(ns, chain_hashes("held", 4)).hit_count == 4
+
+
+def test_concurrent_clients_never_see_torn_blocks_and_leak_nothing(start_daemon):
+    # A pool smaller than the working set, so stores, loads and evictions interleave.
+    daemon = start_daemon("--pool-size", "6MiB", "--page-size", "16KiB")
+    workers = [
+        subprocess.Popen([sys.executable, WORKER, daemon.address, "churn", str(seed), "150"], stdout=subprocess.PIPE, text=True)
+        for seed in range(4)
+    ]
+    outputs = [w.communicate(timeout=240)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outputs
+    assert all(out.startswith("ok verified=") for out in outputs)
+    assert sum(int(out.split("=")[1]) for out in outputs) > 0
+    stats, committed = pool_accounting(daemon)
+    assert stats.reserved_bytes == 0 and stats.pinned_blocks == 0
+    assert stats.pool_used_bytes == committed
+    assert stats.tiers[0].evictions > 0
+
+
+def test_calls_need_a_live_session(daemon):
+    client = KVTierClient(daemon.address).connect()
+    ns = client.register(spec())
+    session_id = client.state.session_id
+    client.close()
+    time.sleep(0.2)
+    with KVTierClient(daemon.address) as other:
+        stub = other._stub
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Lookup(pb.LookupRequest(session_id=session_id, namespace=ns.id, hashes=b"x" * 32), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
