@@ -1,0 +1,126 @@
+"""Every malformed or hostile call gets a precise status and a log line; the daemon keeps serving."""
+
+import grpc
+import numpy as np
+import pytest
+from blocks import chain_hashes, contents, spec
+
+from kvtier.client import KVTierClient
+from kvtier.v1 import kvtier_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def env():
+    import conftest  # noqa: F401  (sys.path set up)
+    from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
+
+    daemon = DaemonProcess(new_daemon_dir(), ["--pool-size", "16MiB", "--max-batch-blocks", "64", "--max-message-size", "1MiB"]).start()
+    owner = KVTierClient(daemon.address, engine_name="owner").connect()
+    other = KVTierClient(daemon.address, engine_name="other").connect()
+    yield daemon, owner, other
+    owner.close()
+    other.close()
+    assert daemon.stop() == 0
+    remove_daemon_dir(daemon.directory)
+
+
+def call(client: KVTierClient, method: str, **fields):
+    fields.setdefault("session_id", client.state.session_id)
+    request = getattr(pb, f"{method}Request")(**fields)
+    return getattr(client._stub, method)(request, timeout=5)
+
+
+def expect(code: grpc.StatusCode, fn, *args, match: str = "", **kwargs) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kwargs)
+    assert err.value.code() == code, err.value.details()
+    assert match in err.value.details()
+    return err.value.details()
+
+
+def test_bad_inputs(env):
+    daemon, owner, other = env
+    ns = owner.register(spec(block_bytes=10_000))
+    other.register(spec(block_bytes=10_000))
+    h = chain_hashes("bad", 4)
+    cases = [
+        # wrong hash length
+        (grpc.StatusCode.INVALID_ARGUMENT, "multiple", lambda: call(owner, "Lookup", namespace=ns.id, hashes=b"short")),
+        # unknown namespace
+        (grpc.StatusCode.NOT_FOUND, "unknown namespace", lambda: call(owner, "Lookup", namespace="nope", hashes=h[0])),
+        # unknown session
+        (grpc.StatusCode.UNAUTHENTICATED, "unknown session", lambda: call(owner, "Lookup", session_id="forged", namespace=ns.id, hashes=h[0])),
+        # invalid namespace spec
+        (grpc.StatusCode.INVALID_ARGUMENT, "block_bytes", lambda: call(owner, "Register", spec=spec(block_bytes=0))),
+        # batch too large
+        (grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit", lambda: call(owner, "Lookup", namespace=ns.id, hashes=b"h" * 32 * 65)),
+        # message too large (gRPC's own limit)
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "", lambda: call(owner, "Commit", reservation_id=1, data=b"x" * (2 << 20))),
+        # commit of something never reserved
+        (grpc.StatusCode.NOT_FOUND, "never made", lambda: call(owner, "Commit", reservation_id=987654)),
+        # transports
+        (grpc.StatusCode.UNIMPLEMENTED, "CUDA_IPC", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0], transport=pb.TRANSPORT_CUDA_IPC)),
+        (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
+        # release of an unknown lease
+        (grpc.StatusCode.NOT_FOUND, "lease", lambda: call(owner, "Release", lease_id=424242)),
+    ]
+    for code, match, fn in cases:
+        expect(code, fn, match=match)
+
+    reservation = owner.reserve(ns, h[:2])
+    # block sizes that do not match the namespace
+    expect(grpc.StatusCode.INVALID_ARGUMENT, call, owner, "Commit", reservation_id=reservation.id, data=b"x" * 19_999, match="need exactly")
+    # writes beyond a reserved extent
+    expect(grpc.StatusCode.OUT_OF_RANGE, call, owner, "Write", reservation_id=reservation.id, index=0, offset=9_000, data=b"x" * 1_001, match="beyond")
+    expect(grpc.StatusCode.OUT_OF_RANGE, call, owner, "Write", reservation_id=reservation.id, index=2, offset=0, data=b"x", match="outside")
+    # another session's reservation
+    expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Commit", reservation_id=reservation.id, match="another session")
+    expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Abort", reservation_id=reservation.id, match="another session")
+    expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Write", reservation_id=reservation.id, index=0, data=b"x", match="another session")
+    # double commit
+    assert owner.commit(reservation.id, contents(h[:2], 10_000).tobytes()) == 2
+    expect(grpc.StatusCode.FAILED_PRECONDITION, owner.commit, reservation.id, match="already committed")
+    # another session's lease
+    lease = owner.lookup(ns, h[:2], pin=True)
+    expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Release", lease_id=lease.lease_id, match="another session")
+    owner.release(lease.lease_id)
+    # a namespace this session never registered
+    unregistered = KVTierClient(daemon.address).connect()
+    expect(grpc.StatusCode.FAILED_PRECONDITION, call, unregistered, "Lookup", namespace=ns.id, hashes=h[0], match="not registered")
+    unregistered.close()
+    # an inline load larger than the message limit
+    big = owner.register(spec(block_bytes=20_000))
+    many = chain_hashes("big", 60)
+    owner.store(big, many, contents(many, 20_000))
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, owner.load, big, many, transport="inline", match="message limit")
+    assert daemon.admin("GetStats").pinned_blocks == 0  # the refused load left no pin behind
+
+    # The daemon logged each refusal and still serves correct data.
+    log = daemon.log()
+    for code in ("INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "OUT_OF_RANGE", "PERMISSION_DENIED", "FAILED_PRECONDITION", "UNIMPLEMENTED"):
+        assert f"request refused method=" in log and f"code={code}" in log, code
+    assert np.array_equal(owner.load(ns, h[:2]), contents(h[:2], 10_000))
+    assert daemon.process.poll() is None
+
+
+def test_session_must_start_with_hello(env):
+    daemon, owner, _ = env
+    responses = owner._stub.Session(iter([pb.SessionRequest(heartbeat=pb.Heartbeat())]), timeout=5)
+    with pytest.raises(grpc.RpcError) as err:
+        next(responses)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_admin_bad_inputs(env):
+    daemon, owner, _ = env
+    ns = owner.register(spec(block_bytes=10_000))
+    for method, fields, code in [
+        ("InspectBlock", {"namespace": ns.id, "hash": b"\0" * 32}, grpc.StatusCode.NOT_FOUND),
+        ("ListBlocks", {"page_token": "abc"}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("ListBlocks", {"page_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("Clear", {}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("Clear", {"namespace": "missing"}, grpc.StatusCode.NOT_FOUND),
+        ("DeleteBlocks", {"namespace": ns.id, "hashes": b"abc"}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("GetStats", {"namespace": "missing"}, grpc.StatusCode.NOT_FOUND),
+    ]:
+        expect(code, daemon.admin, method, **fields)

@@ -1,0 +1,129 @@
+"""Start-up defaults, permissions, metrics, TCP opt-in, stale state and graceful shutdown."""
+
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from blocks import chain_hashes, contents, spec
+from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
+
+from kvtier.client import KVTierClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_socket_and_pool_permissions(daemon):
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+    pool_files = list(daemon.shm_dir.iterdir())
+    assert len(pool_files) == 1
+    assert stat.S_IMODE(pool_files[0].stat().st_mode) == 0o600
+    assert pool_files[0].stat().st_size == 64 << 20
+
+
+def test_group_shared_pool_mode(start_daemon):
+    daemon = start_daemon("--pool-size", "16MiB", "--shm-mode", "0660", "--socket-mode", "0600")
+    assert stat.S_IMODE(next(daemon.shm_dir.iterdir()).stat().st_mode) == 0o660
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
+
+
+def test_metrics_endpoint(daemon):
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec())
+        hashes = chain_hashes("m", 3)
+        client.store(ns, hashes, contents(hashes, ns.block_bytes))
+        client.load(ns, hashes)
+        client.lookup(ns, chain_hashes("absent", 2))
+        port = daemon.admin("GetInfo").metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['kvtierd_stored_blocks_total{tier="ram"}'] == 3
+    assert values['kvtierd_stored_bytes_total{tier="ram"}'] == 3 * ns.block_bytes
+    assert values['kvtierd_loaded_blocks_total{tier="ram"}'] == 3
+    assert values['kvtierd_hit_blocks_total{tier="ram"}'] == 3
+    assert values["kvtierd_miss_blocks_total"] == 2
+    assert values["kvtierd_lookup_requests_total"] == 2
+    assert values['kvtierd_tier_capacity_bytes{tier="ram"}'] == 64 << 20
+    assert values['kvtierd_tier_used_bytes{tier="ram"}'] == 3 * 3 * 32768
+    assert values["kvtierd_engines_connected"] == 1
+    assert values['kvtierd_rpc_duration_seconds_count{method="Lookup"}'] >= 1
+    for name in ("kvtierd_evicted_blocks_total", "kvtierd_reserved_bytes", "kvtierd_pinned_blocks", "kvtierd_rpc_errors_total"):
+        assert name in text
+
+
+def test_tcp_only_when_asked(start_daemon):
+    port = free_port()
+    quiet = start_daemon("--pool-size", "16MiB")
+    assert str(port) not in quiet.admin("GetInfo").tcp_listen
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+    daemon = start_daemon("--pool-size", "16MiB", "--listen", f"127.0.0.1:{port}")
+    with KVTierClient(f"127.0.0.1:{port}") as client:
+        assert client.register(spec()).id
+
+
+def test_second_daemon_on_the_same_socket_is_refused(daemon):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--socket", str(daemon.socket), "--shm-dir", str(daemon.shm_dir), "--metrics-port", "-1"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode != 0 and "another daemon is serving" in result.stderr
+    assert daemon.admin("GetStats").tiers[0].capacity_bytes == 64 << 20  # the first one is untouched
+
+
+def test_stale_socket_and_pool_files_from_a_crash_are_cleaned(start_daemon):
+    crashed = start_daemon("--pool-size", "16MiB")
+    crashed.stop(sig=9)
+    assert crashed.socket.exists() and len(list(crashed.shm_dir.iterdir())) == 1
+    restarted = DaemonProcess(crashed.directory, crashed.args).start()
+    try:
+        assert len(list(restarted.shm_dir.iterdir())) == 1  # the old pool file is gone
+        with KVTierClient(restarted.address) as client:
+            assert client.register(spec()).id
+    finally:
+        assert restarted.stop() == 0
+
+
+def test_graceful_shutdown_with_work_in_flight():
+    daemon = DaemonProcess(new_daemon_dir(), ["--pool-size", "16MiB"]).start()
+    try:
+        client = KVTierClient(daemon.address).connect()
+        ns = client.register(spec())
+        client.reserve(ns, chain_hashes("in-flight", 4))
+        client.store(ns, chain_hashes("done", 2), contents(chain_hashes("done", 2), ns.block_bytes))
+        client.lookup(ns, chain_hashes("done", 2), pin=True)
+        started = time.monotonic()
+        assert daemon.stop() == 0
+        assert time.monotonic() - started < 10
+        assert not daemon.socket.exists()
+        assert list(daemon.shm_dir.iterdir()) == []
+        log = daemon.log()
+        assert "shutting down" in log and "stopped" in log and "aborted_reservations=1" in log
+        assert not client.connected
+        client.close()
+    finally:
+        remove_daemon_dir(daemon.directory)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_structured_logs(start_daemon, fmt):
+    import json
+
+    daemon = start_daemon("--pool-size", "16MiB", "--log-format", fmt)
+    first = daemon.log().splitlines()[0]
+    if fmt == "json":
+        entry = json.loads(first)
+        assert entry["level"] == "info" and "msg" in entry
+    else:
+        assert " info " in first
