@@ -46,15 +46,23 @@ class DaemonProcess:
     def start(self) -> DaemonProcess:
         self.shm_dir.mkdir(exist_ok=True)
         command = [
-            sys.executable, "-m", "kvtierd",
-            "--socket", str(self.socket),
-            "--shm-dir", str(self.shm_dir),
-            "--metrics-port", "0",
-            "--log-level", "debug",
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "--socket",
+            str(self.socket),
+            "--shm-dir",
+            str(self.shm_dir),
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "debug",
             *self.args,
         ]
         log = open(self.log_path, "a")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
         log.close()
         self.wait_serving()
         return self

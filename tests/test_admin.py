@@ -16,7 +16,9 @@ from kvtier.v1 import kvtier_pb2 as pb
 
 
 def ctl(daemon, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "kvtier.ctl", "--address", daemon.address, *args], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.ctl", "--address", daemon.address, *args], capture_output=True, text=True
+    )
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -72,7 +74,9 @@ def test_list_blocks_paged_and_ordered(populated):
     first = daemon.admin("ListBlocks", namespace=ns_a.id, order=pb.BLOCK_ORDER_HITS, page_size=4)
     assert first.total == 6 and len(first.blocks) == 4 and first.next_page_token
     assert first.blocks[0].hash == hashes_a[0] and first.blocks[0].hits == 2
-    second = daemon.admin("ListBlocks", namespace=ns_a.id, order=pb.BLOCK_ORDER_HITS, page_size=4, page_token=first.next_page_token)
+    second = daemon.admin(
+        "ListBlocks", namespace=ns_a.id, order=pb.BLOCK_ORDER_HITS, page_size=4, page_token=first.next_page_token
+    )
     assert len(second.blocks) == 2 and not second.next_page_token
     assert {b.hash for b in first.blocks} | {b.hash for b in second.blocks} == set(hashes_a)
     recent = daemon.admin("ListBlocks", order=pb.BLOCK_ORDER_RECENCY)
@@ -118,7 +122,8 @@ def test_kvtierctl_json_and_tables(populated):
 def test_kvtierctl_reports_an_absent_daemon(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "kvtier.ctl", "--address", f"unix://{tmp_path}/none.sock", "--timeout", "1", "stats"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2 and "UNAVAILABLE" in result.stderr
 

@@ -14,7 +14,9 @@ def env():
     import conftest  # noqa: F401  (sys.path set up)
     from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
 
-    daemon = DaemonProcess(new_daemon_dir(), ["--pool-size", "16MiB", "--max-batch-blocks", "64", "--max-message-size", "1MiB"]).start()
+    daemon = DaemonProcess(
+        new_daemon_dir(), ["--pool-size", "16MiB", "--max-batch-blocks", "64", "--max-message-size", "1MiB"]
+    ).start()
     owner = KVTierClient(daemon.address, engine_name="owner").connect()
     other = KVTierClient(daemon.address, engine_name="other").connect()
     yield daemon, owner, other
@@ -49,17 +51,29 @@ def test_bad_inputs(env):
         # unknown namespace
         (grpc.StatusCode.NOT_FOUND, "unknown namespace", lambda: call(owner, "Lookup", namespace="nope", hashes=h[0])),
         # unknown session
-        (grpc.StatusCode.UNAUTHENTICATED, "unknown session", lambda: call(owner, "Lookup", session_id="forged", namespace=ns.id, hashes=h[0])),
+        (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "unknown session",
+            lambda: call(owner, "Lookup", session_id="forged", namespace=ns.id, hashes=h[0]),
+        ),
         # invalid namespace spec
         (grpc.StatusCode.INVALID_ARGUMENT, "block_bytes", lambda: call(owner, "Register", spec=spec(block_bytes=0))),
         # batch too large
-        (grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit", lambda: call(owner, "Lookup", namespace=ns.id, hashes=b"h" * 32 * 65)),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "exceeds the limit",
+            lambda: call(owner, "Lookup", namespace=ns.id, hashes=b"h" * 32 * 65),
+        ),
         # message too large (gRPC's own limit)
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "", lambda: call(owner, "Commit", reservation_id=1, data=b"x" * (2 << 20))),
         # commit of something never reserved
         (grpc.StatusCode.NOT_FOUND, "never made", lambda: call(owner, "Commit", reservation_id=987654)),
         # transports
-        (grpc.StatusCode.UNIMPLEMENTED, "CUDA_IPC", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0], transport=pb.TRANSPORT_CUDA_IPC)),
+        (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "CUDA_IPC",
+            lambda: call(owner, "Load", namespace=ns.id, hashes=h[0], transport=pb.TRANSPORT_CUDA_IPC),
+        ),
         (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
         # release of an unknown lease
         (grpc.StatusCode.NOT_FOUND, "lease", lambda: call(owner, "Release", lease_id=424242)),
@@ -69,14 +83,51 @@ def test_bad_inputs(env):
 
     reservation = owner.reserve(ns, h[:2])
     # block sizes that do not match the namespace
-    expect(grpc.StatusCode.INVALID_ARGUMENT, call, owner, "Commit", reservation_id=reservation.id, data=b"x" * 19_999, match="need exactly")
+    expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        call,
+        owner,
+        "Commit",
+        reservation_id=reservation.id,
+        data=b"x" * 19_999,
+        match="need exactly",
+    )
     # writes beyond a reserved extent
-    expect(grpc.StatusCode.OUT_OF_RANGE, call, owner, "Write", reservation_id=reservation.id, index=0, offset=9_000, data=b"x" * 1_001, match="beyond")
-    expect(grpc.StatusCode.OUT_OF_RANGE, call, owner, "Write", reservation_id=reservation.id, index=2, offset=0, data=b"x", match="outside")
+    expect(
+        grpc.StatusCode.OUT_OF_RANGE,
+        call,
+        owner,
+        "Write",
+        reservation_id=reservation.id,
+        index=0,
+        offset=9_000,
+        data=b"x" * 1_001,
+        match="beyond",
+    )
+    expect(
+        grpc.StatusCode.OUT_OF_RANGE,
+        call,
+        owner,
+        "Write",
+        reservation_id=reservation.id,
+        index=2,
+        offset=0,
+        data=b"x",
+        match="outside",
+    )
     # another session's reservation
     expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Commit", reservation_id=reservation.id, match="another session")
     expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Abort", reservation_id=reservation.id, match="another session")
-    expect(grpc.StatusCode.PERMISSION_DENIED, call, other, "Write", reservation_id=reservation.id, index=0, data=b"x", match="another session")
+    expect(
+        grpc.StatusCode.PERMISSION_DENIED,
+        call,
+        other,
+        "Write",
+        reservation_id=reservation.id,
+        index=0,
+        data=b"x",
+        match="another session",
+    )
     # double commit
     assert owner.commit(reservation.id, contents(h[:2], 10_000).tobytes()) == 2
     expect(grpc.StatusCode.FAILED_PRECONDITION, owner.commit, reservation.id, match="already committed")
@@ -86,7 +137,9 @@ def test_bad_inputs(env):
     owner.release(lease.lease_id)
     # a namespace this session never registered
     unregistered = KVTierClient(daemon.address).connect()
-    expect(grpc.StatusCode.FAILED_PRECONDITION, call, unregistered, "Lookup", namespace=ns.id, hashes=h[0], match="not registered")
+    expect(
+        grpc.StatusCode.FAILED_PRECONDITION, call, unregistered, "Lookup", namespace=ns.id, hashes=h[0], match="not registered"
+    )
     unregistered.close()
     # an inline load larger than the message limit
     big = owner.register(spec(block_bytes=20_000))
@@ -97,8 +150,16 @@ def test_bad_inputs(env):
 
     # The daemon logged each refusal and still serves correct data.
     log = daemon.log()
-    for code in ("INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "OUT_OF_RANGE", "PERMISSION_DENIED", "FAILED_PRECONDITION", "UNIMPLEMENTED"):
-        assert f"request refused method=" in log and f"code={code}" in log, code
+    for code in (
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "UNAUTHENTICATED",
+        "OUT_OF_RANGE",
+        "PERMISSION_DENIED",
+        "FAILED_PRECONDITION",
+        "UNIMPLEMENTED",
+    ):
+        assert "request refused method=" in log and f"code={code}" in log, code
     assert np.array_equal(owner.load(ns, h[:2]), contents(h[:2], 10_000))
     assert daemon.process.poll() is None
 

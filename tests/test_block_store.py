@@ -33,7 +33,7 @@ def store_blocks(store, ns, hashes, session="s1"):
 def assert_accounting(store):
     usage = store.usage()
     assert usage.used_pages == usage.committed_pages + usage.reserved_pages + usage.orphan_pages
-    pages = [np.frombuffer(b.pages, "<u4") for ns in store.namespaces.values() for b in ns.blocks.values()]
+    pages = [np.frombuffer(b.pages, "<u4") for b in store.block_at if b is not None]
     if pages:
         owned = np.concatenate(pages)
         assert np.unique(owned).size == owned.size
@@ -66,11 +66,11 @@ def test_abort_and_expiry_free_reservations():
     ns = store.register(spec(block_bytes=PAGE))
     first = store.reserve("s1", ns, chain_hashes("x", 8)).reservation
     store.abort("s1", first.id)
-    assert store.allocator.free_pages == 16
+    assert store.pages.free == 16
     second = store.reserve("s1", ns, chain_hashes("y", 8)).reservation
     clock.now = 11
     assert store.expire() == (0, 1)
-    assert store.allocator.free_pages == 16
+    assert store.pages.free == 16
     with pytest.raises(FailedPrecondition, match="expired"):
         store.commit("s1", second.id)
     assert store.lookup("s1", ns, chain_hashes("y", 8), pin=False)[0] == 0
@@ -118,9 +118,9 @@ def test_pinned_block_deleted_keeps_its_pages_until_release():
     _, lease = store.lookup("s1", ns, hashes, pin=True)
     assert store.delete(ns, hashes) == 2
     assert store.lookup("s1", ns, hashes, pin=False)[0] == 0
-    assert store.usage().orphan_pages == 2 and store.allocator.used_pages == 2
+    assert store.usage().orphan_pages == 2 and store.pages.used == 2
     store.release("s1", lease.id)
-    assert store.allocator.used_pages == 0
+    assert store.pages.used == 0
     assert_accounting(store)
 
 
@@ -176,10 +176,24 @@ def test_mixed_block_sizes_share_the_pool_with_little_waste():
         ns = namespaces[rng.integers(len(namespaces))]
         store_blocks(store, ns, [rng.bytes(32) for _ in range(int(rng.integers(1, 8)))])
         if step > 200:
-            stored = sum(n.committed_blocks * n.block_bytes for n in namespaces)
-            held = store.allocator.used_pages * page
+            stored = sum(len(n.blocks) * n.block_bytes for n in namespaces)
+            held = store.pages.used * page
             worst_waste = max(worst_waste, 1 - stored / held)
             # the pool stays nearly full: eviction frees only what is needed
-            assert store.allocator.free_pages * page < max(sizes)
+            assert store.pages.free * page < max(sizes)
     assert worst_waste < 0.03
+    assert_accounting(store)
+
+
+def test_repeated_hashes_in_a_lookup_pin_each_block_once():
+    store, _ = make_store()
+    ns = store.register(spec(block_bytes=PAGE))
+    a, b = chain_hashes("rep", 2)
+    store_blocks(store, ns, [a, b])
+    hit, lease = store.lookup("s", ns, [a, b, a, b], pin=True)
+    assert hit == 2 and len(lease.blocks) == 2
+    store.release("s", lease.id)
+    assert store.usage().pinned_blocks == 0
+    result = store.reserve("s", ns, chain_hashes("dup", 1) * 3)
+    assert result.statuses.tolist() == [pb.BLOCK_STATUS_RESERVED, pb.BLOCK_STATUS_IN_PROGRESS, pb.BLOCK_STATUS_IN_PROGRESS]
     assert_accounting(store)

@@ -68,15 +68,27 @@ def test_tcp_only_when_asked(start_daemon):
     assert str(port) not in quiet.admin("GetInfo").tcp_listen
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
-    daemon = start_daemon("--pool-size", "16MiB", "--listen", f"127.0.0.1:{port}")
+    start_daemon("--pool-size", "16MiB", "--listen", f"127.0.0.1:{port}")
     with KVTierClient(f"127.0.0.1:{port}") as client:
         assert client.register(spec()).id
 
 
 def test_second_daemon_on_the_same_socket_is_refused(daemon):
     result = subprocess.run(
-        [sys.executable, "-m", "kvtierd", "--socket", str(daemon.socket), "--shm-dir", str(daemon.shm_dir), "--metrics-port", "-1"],
-        capture_output=True, text=True, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "kvtierd",
+            "--socket",
+            str(daemon.socket),
+            "--shm-dir",
+            str(daemon.shm_dir),
+            "--metrics-port",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode != 0 and "another daemon is serving" in result.stderr
     assert daemon.admin("GetStats").tiers[0].capacity_bytes == 64 << 20  # the first one is untouched

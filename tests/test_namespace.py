@@ -37,8 +37,21 @@ def test_every_spec_field_is_in_the_digest():
     base = spec()
     for field in base.DESCRIPTOR.fields:
         assert field.name in {
-            "model_id", "tokens_per_block", "kv_dtype", "layout", "num_layers", "num_kv_heads", "head_size",
-            "block_bytes", "chunk_bytes", "tp_size", "tp_rank", "hash_algorithm", "hash_seed", "hash_bytes", "extra",
+            "model_id",
+            "tokens_per_block",
+            "kv_dtype",
+            "layout",
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "block_bytes",
+            "chunk_bytes",
+            "tp_size",
+            "tp_rank",
+            "hash_algorithm",
+            "hash_seed",
+            "hash_bytes",
+            "extra",
         }, f"new field {field.name}: add it to test_any_difference_is_another_namespace"
 
 
@@ -52,8 +65,16 @@ def test_format_version_changes_the_digest(monkeypatch):
 
 @pytest.mark.parametrize(
     "bad",
-    [{"model_id": ""}, {"block_bytes": 0}, {"hash_bytes": 0}, {"hash_bytes": 65}, {"tokens_per_block": 0},
-     {"chunk_bytes": [1, 2]}, {"tp_size": 2, "tp_rank": 2}, {"block_bytes": 1 << 40}],
+    [
+        {"model_id": ""},
+        {"block_bytes": 0},
+        {"hash_bytes": 0},
+        {"hash_bytes": 65},
+        {"tokens_per_block": 0},
+        {"chunk_bytes": [1, 2]},
+        {"tp_size": 2, "tp_rank": 2},
+        {"block_bytes": 1 << 40},
+    ],
 )
 def test_invalid_specs_are_refused(bad):
     with pytest.raises(InvalidArgument):

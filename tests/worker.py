@@ -1,7 +1,7 @@
 """A client process for multi-process tests.
 
-  python worker.py ADDRESS churn SEED ITERATIONS  -- random stores/lookups/loads, verifying every byte read
-  python worker.py ADDRESS hold                   -- reserve and pin blocks, then wait to be killed
+python worker.py ADDRESS churn SEED ITERATIONS  -- random stores/lookups/loads, verifying every byte read
+python worker.py ADDRESS hold                   -- reserve and pin blocks, then wait to be killed
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class AsyncKVTierClient:
     async def release(self, lease_id: int) -> None:
         await self._run(ops.release(self.state, lease_id))
 
-    async def load(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm") -> np.ndarray:
+    async def load(
+        self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm"
+    ) -> np.ndarray:
         return await self._run(ops.load(self.state, ns, hashes, lease_id, transport))
 
     async def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:

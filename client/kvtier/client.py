@@ -124,7 +124,9 @@ class KVTierClient:
     def release(self, lease_id: int) -> None:
         self._run(ops.release(self.state, lease_id))
 
-    def load(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm") -> np.ndarray:
+    def load(
+        self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm"
+    ) -> np.ndarray:
         return self._run(ops.load(self.state, ns, hashes, lease_id, transport))
 
     def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:

@@ -29,14 +29,24 @@ def _when(stamp: float) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def _tier_rows(label: str, tiers) -> list[list[object]]:
     return [
-        [label, t.tier, t.blocks, format_size(t.bytes), format_size(t.capacity_bytes), t.hits, t.misses, f"{t.hit_ratio:.1%}", t.evictions]
+        [
+            label,
+            t.tier,
+            t.blocks,
+            format_size(t.bytes),
+            format_size(t.capacity_bytes),
+            t.hits,
+            t.misses,
+            f"{t.hit_ratio:.1%}",
+            t.evictions,
+        ]
         for t in tiers
     ]
 
@@ -62,39 +72,67 @@ def show_stats(r: pb.GetStatsResponse) -> str:
     rows = _tier_rows("(all)", r.tiers)
     for ns in r.namespaces:
         rows += _tier_rows(ns.namespace, ns.tiers)
-    summary = f"engines connected: {r.engines_connected}   reserved: {format_size(r.reserved_bytes)}   pinned blocks: {r.pinned_blocks}"
+    summary = (
+        f"engines connected: {r.engines_connected}   reserved: {format_size(r.reserved_bytes)}   pinned blocks: {r.pinned_blocks}"
+    )
     return table(headers, rows) + "\n\n" + summary
 
 
 def show_namespaces(r: pb.ListNamespacesResponse) -> str:
     rows = [
-        [n.namespace, n.spec.model_id, n.spec.kv_dtype, n.spec.tokens_per_block, format_size(n.spec.block_bytes),
-         f"{n.spec.tp_rank}/{n.spec.tp_size}", n.blocks, format_size(n.bytes), n.engines]
+        [
+            n.namespace,
+            n.spec.model_id,
+            n.spec.kv_dtype,
+            n.spec.tokens_per_block,
+            format_size(n.spec.block_bytes),
+            f"{n.spec.tp_rank}/{n.spec.tp_size}",
+            n.blocks,
+            format_size(n.bytes),
+            n.engines,
+        ]
         for n in r.namespaces
     ]
     return table(["namespace", "model", "dtype", "tokens/block", "block size", "tp rank", "blocks", "bytes", "engines"], rows)
 
 
 def _block_rows(blocks) -> list[list[object]]:
-    return [[b.namespace, b.hash.hex(), b.tier, format_size(b.size_bytes), b.hits, b.pins, _when(b.last_access_at)] for b in blocks]
+    return [
+        [b.namespace, b.hash.hex(), b.tier, format_size(b.size_bytes), b.hits, b.pins, _when(b.last_access_at)] for b in blocks
+    ]
 
 
 _BLOCK_HEADERS = ["namespace", "hash", "tier", "size", "hits", "pins", "last access"]
 
 
 def show_blocks(r: pb.ListBlocksResponse) -> str:
-    footer = f"\n{len(r.blocks)} of {r.total} blocks" + (f"; next page: --page-token {r.next_page_token}" if r.next_page_token else "")
+    footer = f"\n{len(r.blocks)} of {r.total} blocks" + (
+        f"; next page: --page-token {r.next_page_token}" if r.next_page_token else ""
+    )
     return table(_BLOCK_HEADERS, _block_rows(r.blocks)) + footer
 
 
 def show_inspect(r: pb.InspectBlockResponse) -> str:
-    return table(_BLOCK_HEADERS, _block_rows([r.block])) + f"\n\nchecksum (xxh3-64): {r.checksum_xxh3}\ncreated: {_when(r.block.created_at)}"
+    return (
+        table(_BLOCK_HEADERS, _block_rows([r.block]))
+        + f"\n\nchecksum (xxh3-64): {r.checksum_xxh3}\ncreated: {_when(r.block.created_at)}"
+    )
 
 
 def show_engines(r: pb.ListEnginesResponse) -> str:
     rows = [
-        [e.engine_name, e.pid, e.session_id[:12], _when(e.connected_at), len(e.namespaces), e.lookups, e.hit_blocks, e.miss_blocks,
-         e.stored_blocks, e.loaded_blocks]
+        [
+            e.engine_name,
+            e.pid,
+            e.session_id[:12],
+            _when(e.connected_at),
+            len(e.namespaces),
+            e.lookups,
+            e.hit_blocks,
+            e.miss_blocks,
+            e.stored_blocks,
+            e.loaded_blocks,
+        ]
         for e in r.engines
     ]
     return table(["engine", "pid", "session", "connected", "namespaces", "lookups", "hits", "misses", "stored", "loaded"], rows)
@@ -107,7 +145,9 @@ def _hashes(values: Sequence[str]) -> bytes:
         raise SystemExit(f"kvtierctl: block hashes are hex strings: {exc}") from exc
 
 
-def run_command(stub: pb_grpc.KVTierAdminStub, args: argparse.Namespace, timeout: float) -> tuple[object, Callable[[object], str]]:
+def run_command(
+    stub: pb_grpc.KVTierAdminStub, args: argparse.Namespace, timeout: float
+) -> tuple[object, Callable[[object], str]]:
     """Call the admin RPC for `args.command`; returns (response, formatter)."""
     c = args.command
     if c == "info":
@@ -118,7 +158,9 @@ def run_command(stub: pb_grpc.KVTierAdminStub, args: argparse.Namespace, timeout
         return stub.ListNamespaces(pb.ListNamespacesRequest(), timeout=timeout), show_namespaces
     if c == "blocks":
         order = pb.BLOCK_ORDER_HITS if args.order == "hits" else pb.BLOCK_ORDER_RECENCY
-        request = pb.ListBlocksRequest(namespace=args.namespace or "", order=order, page_size=args.limit, page_token=args.page_token or "")
+        request = pb.ListBlocksRequest(
+            namespace=args.namespace or "", order=order, page_size=args.limit, page_token=args.page_token or ""
+        )
         return stub.ListBlocks(request, timeout=timeout), show_blocks
     if c == "inspect":
         request = pb.InspectBlockRequest(namespace=args.namespace, hash=_hashes([args.hash]))
@@ -138,7 +180,9 @@ def run_command(stub: pb_grpc.KVTierAdminStub, args: argparse.Namespace, timeout
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtierctl", description="Inspect and manage a running kvtierd.")
-    parser.add_argument("--address", default=None, help="unix:///path/to.sock, a socket path or HOST:PORT (default: the daemon's default socket)")
+    parser.add_argument(
+        "--address", default=None, help="unix:///path/to.sock, a socket path or HOST:PORT (default: the daemon's default socket)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
     # --json is accepted after the command too (`kvtierctl stats --json`).

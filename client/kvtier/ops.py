@@ -100,7 +100,11 @@ def release(state: SessionState, lease_id: int) -> Op:
 def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, transport: str = "shm") -> Op:
     """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy)."""
     request = pb.LoadRequest(
-        session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes), lease_id=lease_id, transport=TRANSPORTS[transport]
+        session_id=state.session_id,
+        namespace=ns.id,
+        hashes=join_hashes(hashes),
+        lease_id=lease_id,
+        transport=TRANSPORTS[transport],
     )
     response = yield "Load", request
     if transport == "inline":

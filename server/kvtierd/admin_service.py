@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import xxhash
+
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-
-from kvtierd import __version__
 from kvtierd.block_store import RAM_TIER, Block, BlockStore, Namespace, TierCounters
 from kvtierd.errors import InvalidArgument
 from kvtierd.metrics import Metrics
@@ -24,7 +24,9 @@ MAX_PAGE_SIZE = 10_000
 
 
 class AdminService(pb_grpc.KVTierAdminServicer):
-    def __init__(self, store: BlockStore, pool: SharedPool, sessions: SessionRegistry, metrics: Metrics, info: pb.GetInfoResponse) -> None:
+    def __init__(
+        self, store: BlockStore, pool: SharedPool, sessions: SessionRegistry, metrics: Metrics, info: pb.GetInfoResponse
+    ) -> None:
         self.store = store
         self.pool = pool
         self.sessions = sessions
@@ -49,12 +51,11 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         )
         blocks = used = 0
         for ns in selected:
-            stats = self._tier_stats(ns.counters, ns.committed_blocks, ns.committed_blocks * ns.block_bytes)
+            stats = self._tier_stats(ns.counters, len(ns.blocks), len(ns.blocks) * ns.block_bytes)
             response.namespaces.add(namespace=ns.id, model_id=ns.spec.model_id, tiers=[stats])
-            for name in vars(totals):
-                setattr(totals, name, getattr(totals, name) + getattr(ns.counters, name))
-            blocks += ns.committed_blocks
-            used += ns.committed_blocks * ns.block_bytes
+            totals.add(ns.counters)
+            blocks += len(ns.blocks)
+            used += len(ns.blocks) * ns.block_bytes
         response.tiers.append(self._tier_stats(totals, blocks, used))
         return response
 
@@ -78,8 +79,8 @@ class AdminService(pb_grpc.KVTierAdminServicer):
             response.namespaces.add(
                 namespace=ns.id,
                 spec=ns.spec,
-                blocks=ns.committed_blocks,
-                bytes=ns.committed_blocks * ns.block_bytes,
+                blocks=len(ns.blocks),
+                bytes=len(ns.blocks) * ns.block_bytes,
                 engines=self.sessions.engines_in(ns.id),
                 created_at=ns.created_at,
             )
@@ -95,13 +96,15 @@ class AdminService(pb_grpc.KVTierAdminServicer):
             offset = int(request.page_token or 0)
         except ValueError:
             raise InvalidArgument(f"bad page_token {request.page_token!r}") from None
+        store = self.store
+        blocks = list(store.committed_blocks(ns))
+        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
         if request.order == pb.BLOCK_ORDER_HITS:
-            key = lambda b: (b.hits, b.last_access)  # noqa: E731
+            order = np.lexsort((-store.last_access[slots], -store.hits[slots].astype(np.int64)))
         else:
-            key = lambda b: b.last_access  # noqa: E731
-        blocks = sorted(self.store.committed_blocks(ns), key=key, reverse=True)
-        page = blocks[offset : offset + page_size]
-        response = pb.ListBlocksResponse(blocks=[_block_info(b) for b in page], total=len(blocks))
+            order = np.argsort(-store.last_access[slots], kind="stable")
+        page = [blocks[i] for i in order[offset : offset + page_size].tolist()]
+        response = pb.ListBlocksResponse(blocks=[_block_info(store, b) for b in page], total=len(blocks))
         if offset + page_size < len(blocks):
             response.next_page_token = str(offset + page_size)
         return response
@@ -112,7 +115,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         block = self.store.find_block(ns, request.hash)
         data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
         return pb.InspectBlockResponse(
-            block=_block_info(block), page_ids=block.pages, checksum_xxh3=xxhash.xxh3_64_hexdigest(data)
+            block=_block_info(self.store, block), page_ids=block.pages, checksum_xxh3=xxhash.xxh3_64_hexdigest(data)
         )
 
     @unary
@@ -155,14 +158,15 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         return response
 
 
-def _block_info(block: Block) -> pb.BlockInfo:
+def _block_info(store: BlockStore, block: Block) -> pb.BlockInfo:
+    slot = block.slot
     return pb.BlockInfo(
         namespace=block.namespace.id,
         hash=block.hash,
         tier=RAM_TIER,
         size_bytes=block.namespace.block_bytes,
-        hits=block.hits,
-        created_at=block.created_at,
-        last_access_at=block.last_access,
-        pins=block.pins,
+        hits=int(store.hits[slot]),
+        created_at=float(store.created_at[slot]),
+        last_access_at=float(store.last_access[slot]),
+        pins=int(store.pins[slot]),
     )

@@ -1,21 +1,26 @@
 """The RAM tier's index: namespaces, blocks, two-phase stores, pin leases, eviction and admission.
 
 Pure bookkeeping over page ids: no I/O, no gRPC, no locks (the daemon calls it from one event loop).
+Per-block numbers (state, pins, hits, times) live in numpy arrays indexed by a block's slot, so the hot
+paths (lookup, pin, release, commit) update whole batches at once; dict probes and policy updates run
+through `map` in C rather than Python loops.
+
 Invariants: an uncommitted block is never visible to lookups; a pinned or reserved block is never
-evicted; every page is either free or owned by exactly one live block.
+evicted; every page is either free or owned by exactly one block that still holds it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 import numpy as np
-from kvtier.v1 import kvtier_pb2 as pb
 
+from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -25,12 +30,22 @@ from kvtierd.errors import (
     ResourceExhausted,
 )
 from kvtierd.eviction import make_policy
+from kvtierd.id_allocator import IdAllocator
 from kvtierd.namespace import namespace_digest, validate_spec
-from kvtierd.page_allocator import PageAllocator
 
 RAM_TIER = "ram"
 _ADMISSION_MEMORY = 1 << 20  # offers remembered for --store-threshold
 _ENDED_MEMORY = 1 << 14  # finished reservation ids remembered to explain double commits
+
+# Slot states
+FREE, RESERVED, COMMITTED, DROPPED = 0, 1, 2, 3  # DROPPED: invisible, pages still held by a lease or reservation
+
+_slot_of = attrgetter("slot")
+_hash_of = attrgetter("hash")
+
+
+def _consume(iterator) -> None:
+    deque(iterator, maxlen=0)
 
 
 @dataclass
@@ -43,6 +58,10 @@ class TierCounters:
     loaded_blocks: int = 0
     not_admitted: int = 0
 
+    def add(self, other: TierCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 @dataclass(eq=False)
 class Namespace:
@@ -51,8 +70,8 @@ class Namespace:
     block_bytes: int
     pages_per_block: int
     created_at: float
-    blocks: dict[bytes, "Block"] = field(default_factory=dict)  # committed and reserved
-    committed_blocks: int = 0
+    blocks: dict[bytes, Block] = field(default_factory=dict)  # committed
+    pending: dict[bytes, Block] = field(default_factory=dict)  # reserved, not yet committed
     counters: TierCounters = field(default_factory=TierCounters)
 
     @property
@@ -65,21 +84,12 @@ class Block:
     namespace: Namespace
     hash: bytes
     pages: bytes  # little-endian uint32 page ids
-    committed: bool = False
-    deleted: bool = False
-    pins: int = 0
-    hits: int = 0
-    created_at: float = 0.0
-    last_access: float = 0.0
-
-    @property
-    def key(self) -> tuple[str, bytes]:
-        return (self.namespace.id, self.hash)
+    slot: int
 
 
 @dataclass(eq=False)
-class Lease:
-    """Blocks pinned for a load; released by Release, by its session ending, or on expiry."""
+class Hold:
+    """Blocks held by one session: pinned for a load (a lease) or being written (a reservation)."""
 
     id: int
     session_id: str
@@ -88,23 +98,16 @@ class Lease:
     expires_at: float
 
     @property
-    def page_ids(self) -> bytes:
-        return b"".join(b.pages for b in self.blocks)
-
-
-@dataclass(eq=False)
-class Reservation:
-    """Blocks being written; visible only after commit."""
-
-    id: int
-    session_id: str
-    namespace: Namespace
-    blocks: list[Block]
-    expires_at: float
+    def slots(self) -> np.ndarray:
+        return np.fromiter(map(_slot_of, self.blocks), dtype=np.int64, count=len(self.blocks))
 
     @property
     def page_ids(self) -> bytes:
         return b"".join(b.pages for b in self.blocks)
+
+
+Lease = Hold
+Reservation = Hold
 
 
 @dataclass
@@ -123,6 +126,18 @@ class PoolUsage:
     pinned_blocks: int
 
 
+def _until_repeat(hashes: list[bytes]) -> list[bytes]:
+    """A prefix chain never repeats a hash; cut a batch at its first repeat so slots stay distinct."""
+    if len(set(hashes)) == len(hashes):
+        return hashes
+    seen: set[bytes] = set()
+    for i, h in enumerate(hashes):
+        if h in seen:
+            return hashes[:i]
+        seen.add(h)
+    raise AssertionError("unreachable")
+
+
 class BlockStore:
     def __init__(
         self,
@@ -136,7 +151,14 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
+        self.pages = IdAllocator(num_pages)
+        self.slots = IdAllocator(num_pages)  # a block takes at least one page
+        self.state = np.zeros(num_pages, dtype=np.uint8)
+        self.pins = np.zeros(num_pages, dtype=np.int32)
+        self.hits = np.zeros(num_pages, dtype=np.uint32)
+        self.created_at = np.zeros(num_pages, dtype=np.float64)
+        self.last_access = np.zeros(num_pages, dtype=np.float64)
+        self.block_at: list[Block | None] = [None] * num_pages
         self.policy = make_policy(eviction)
         self.store_threshold = store_threshold
         self.lease_ttl = lease_ttl
@@ -154,7 +176,7 @@ class BlockStore:
 
     @property
     def capacity_bytes(self) -> int:
-        return self.allocator.num_pages * self.page_size
+        return self.pages.size * self.page_size
 
     # ------------------------------------------------------------------ namespaces
 
@@ -185,39 +207,31 @@ class BlockStore:
     def split_hashes(self, ns: Namespace, hashes: bytes) -> list[bytes]:
         size = ns.hash_bytes
         if len(hashes) % size:
-            raise InvalidArgument(
-                f"hashes field has {len(hashes)} bytes, not a multiple of the namespace's hash_bytes {size}"
-            )
+            raise InvalidArgument(f"hashes field has {len(hashes)} bytes, not a multiple of the namespace's hash_bytes {size}")
         count = len(hashes) // size
         if count > self.max_batch_blocks:
             raise InvalidArgument(f"batch of {count} blocks exceeds the limit of {self.max_batch_blocks} (--max-batch-blocks)")
-        return [hashes[i : i + size] for i in range(0, len(hashes), size)]
+        return np.frombuffer(hashes, dtype=f"V{size}").tolist()
 
     # ------------------------------------------------------------------ lookup and load
 
     def lookup(self, session_id: str, ns: Namespace, hashes: list[bytes], pin: bool) -> tuple[int, Lease | None]:
         """Count the leading hashes that are committed; with `pin`, pin them under a new lease."""
-        blocks = ns.blocks
-        hit: list[Block] = []
-        for h in hashes:
-            block = blocks.get(h)
-            if block is None or not block.committed:
-                break
-            hit.append(block)
-        now = time.time()
+        hashes = _until_repeat(hashes)
+        hit: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, hashes)))
         counters = ns.counters
         counters.lookups += 1
         counters.hits += len(hit)
         counters.misses += len(hashes) - len(hit)
-        for block in hit:
-            block.hits += 1
-            block.last_access = now
-            if pin:
-                self._pin(block)
-            else:
-                self.policy.access(block)
-        if not (pin and hit):
+        if not hit:
+            return 0, None
+        slots = np.fromiter(map(_slot_of, hit), dtype=np.int64, count=len(hit))
+        self.hits[slots] += 1
+        self.last_access[slots] = time.time()
+        if not pin:
+            self.policy.access_many(slots[self.pins[slots] == 0].tolist())
             return len(hit), None
+        self._pin(slots)
         lease = Lease(next(self._ids), session_id, ns, hit, self._clock() + self.lease_ttl)
         self._leases[lease.id] = lease
         return len(hit), lease
@@ -238,56 +252,55 @@ class BlockStore:
 
     def _end_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
-        for block in lease.blocks:
-            self._unpin(block)
-
-    def _pin(self, block: Block) -> None:
-        if block.pins == 0:
-            self.policy.remove(block)
-        block.pins += 1
-
-    def _unpin(self, block: Block) -> None:
-        block.pins -= 1
-        if block.pins:
-            return
-        if block.deleted:
+        slots = lease.slots  # distinct: lookups stop at a repeated hash
+        self.pins[slots] -= 1
+        unpinned = slots[self.pins[slots] == 0]
+        states = self.state[unpinned]
+        self.policy.restore_many(unpinned[states == COMMITTED].tolist())
+        for slot in unpinned[states == DROPPED].tolist():
+            block = self.block_at[slot]
             self._orphan_pages -= block.namespace.pages_per_block
             self._free(block)
-        else:
-            self.policy.restore(block)
+
+    def _pin(self, slots: np.ndarray) -> None:
+        self.policy.remove_many(slots[self.pins[slots] == 0].tolist(), forget=False)
+        self.pins[slots] += 1
 
     # ------------------------------------------------------------------ two-phase store
 
     def reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
-        statuses = np.full(len(hashes), pb.BLOCK_STATUS_RESERVED, dtype=np.uint8)
-        wanted: list[int] = []
-        pending: set[bytes] = set()
-        for i, h in enumerate(hashes):
-            block = ns.blocks.get(h)
-            if block is not None:
-                statuses[i] = pb.BLOCK_STATUS_PRESENT if block.committed else pb.BLOCK_STATUS_IN_PROGRESS
-            elif h in pending:
-                statuses[i] = pb.BLOCK_STATUS_IN_PROGRESS
-            elif not self._admit(ns, h):
-                statuses[i] = pb.BLOCK_STATUS_NOT_ADMITTED
-            else:
-                pending.add(h)
-                wanted.append(i)
+        count = len(hashes)
+        statuses = np.full(count, pb.BLOCK_STATUS_RESERVED, dtype=np.uint8)
+        statuses[np.fromiter(map(ns.blocks.__contains__, hashes), dtype=bool, count=count)] = pb.BLOCK_STATUS_PRESENT
+        statuses[np.fromiter(map(ns.pending.__contains__, hashes), dtype=bool, count=count)] = pb.BLOCK_STATUS_IN_PROGRESS
+        if len(set(hashes)) != count:  # a hash repeated within the batch is written once
+            first = {h: i for i, h in reversed(list(enumerate(hashes)))}
+            repeated = [i for i, h in enumerate(hashes) if first[h] != i]
+            statuses[repeated] = pb.BLOCK_STATUS_IN_PROGRESS
+        wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
+        if self.store_threshold > 1:
+            refused = [i for i in wanted.tolist() if not self._admit(ns, hashes[i])]
+            statuses[refused] = pb.BLOCK_STATUS_NOT_ADMITTED
+            wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
         ppb = ns.pages_per_block
         self._make_room(len(wanted) * ppb)
-        fit = min(len(wanted), self.allocator.free_pages // ppb)
+        fit = min(len(wanted), self.pages.free // ppb)
         statuses[wanted[fit:]] = pb.BLOCK_STATUS_NO_SPACE
         if fit == 0:
             return ReserveResult(None, statuses)
-        pages = self.allocator.allocate(fit * ppb)
-        assert pages is not None
+        pages = self.pages.allocate(fit * ppb)
+        slots = self.slots.allocate(fit)
         page_bytes = pages.astype("<u4").tobytes()
         step = ppb * 4
-        reserved = []
-        for j, i in enumerate(wanted[:fit]):
-            block = Block(ns, hashes[i], page_bytes[j * step : (j + 1) * step])
-            ns.blocks[block.hash] = block
-            reserved.append(block)
+        chosen = [hashes[i] for i in wanted[:fit].tolist()]
+        chunks = [page_bytes[j : j + step] for j in range(0, fit * step, step)]
+        reserved = list(map(Block, itertools.repeat(ns, fit), chosen, chunks, slots.tolist()))
+        ns.pending.update(zip(chosen, reserved, strict=True))
+        self.state[slots] = RESERVED
+        self.pins[slots] = 0
+        self.hits[slots] = 0
+        for slot, block in zip(slots.tolist(), reserved, strict=True):
+            self.block_at[slot] = block
         self._reserved_pages += fit * ppb
         reservation = Reservation(next(self._ids), session_id, ns, reserved, self._clock() + self.lease_ttl)
         self._reservations[reservation.id] = reservation
@@ -309,37 +322,40 @@ class BlockStore:
             raise OutOfRange(f"block index {index} outside reservation of {len(reservation.blocks)} blocks")
         if offset + length > reservation.namespace.block_bytes:
             raise OutOfRange(
-                f"write of {length} bytes at offset {offset} ends beyond the block's "
-                f"{reservation.namespace.block_bytes} bytes"
+                f"write of {length} bytes at offset {offset} ends beyond the block's {reservation.namespace.block_bytes} bytes"
             )
         return reservation.blocks[index]
 
     def commit(self, session_id: str, reservation_id: int) -> int:
         reservation = self.reservation(session_id, reservation_id)
         self._end_reservation(reservation, "committed")
-        now = time.time()
         ns = reservation.namespace
-        committed = 0
-        for block in reservation.blocks:
-            if block.deleted:
+        slots = reservation.slots
+        live = self.state[slots] == RESERVED
+        blocks = reservation.blocks
+        if not live.all():  # some were deleted while being written
+            for block in (b for b, keep in zip(blocks, live.tolist(), strict=True) if not keep):
                 self._free(block)
-                continue
-            block.committed = True
-            block.created_at = block.last_access = now
-            self.policy.insert(block)
-            committed += 1
-        ns.committed_blocks += committed
-        ns.counters.stored_blocks += committed
-        return committed
+            blocks = [b for b, keep in zip(blocks, live.tolist(), strict=True) if keep]
+            slots = slots[live]
+        hashes = list(map(_hash_of, blocks))
+        _consume(map(ns.pending.pop, hashes))
+        ns.blocks.update(zip(hashes, blocks, strict=True))
+        self.state[slots] = COMMITTED
+        self.created_at[slots] = self.last_access[slots] = time.time()
+        self.policy.insert_many(slots.tolist(), [(ns.id, h) for h in hashes])
+        ns.counters.stored_blocks += len(blocks)
+        return len(blocks)
 
     def abort(self, session_id: str, reservation_id: int) -> None:
         self._abort(self.reservation(session_id, reservation_id), "aborted")
 
     def _abort(self, reservation: Reservation, how: str) -> None:
         self._end_reservation(reservation, how)
+        pending = reservation.namespace.pending
         for block in reservation.blocks:
-            if not block.deleted:
-                del reservation.namespace.blocks[block.hash]
+            if pending.get(block.hash) is block:
+                del pending[block.hash]
             self._free(block)
 
     def _end_reservation(self, reservation: Reservation, how: str) -> None:
@@ -350,8 +366,6 @@ class BlockStore:
             self._ended.popitem(last=False)
 
     def _admit(self, ns: Namespace, block_hash: bytes) -> bool:
-        if self.store_threshold <= 1:
-            return True
         key = (ns.id, block_hash)
         offers = self._offers.pop(key, 0) + 1
         if offers >= self.store_threshold:
@@ -365,35 +379,39 @@ class BlockStore:
     # ------------------------------------------------------------------ eviction and deletion
 
     def _make_room(self, pages: int) -> None:
-        while self.allocator.free_pages < pages:
-            victim = self.policy.pop_victim()
-            if victim is None:
+        while self.pages.free < pages:
+            slot = self.policy.pop_victim()
+            if slot is None:
                 return
+            victim = self.block_at[slot]
             victim.namespace.counters.evictions += 1
-            self._drop(victim)
+            self._drop(victim, in_policy=False)
 
-    def _drop(self, block: Block) -> None:
+    def _drop(self, block: Block, in_policy: bool = True) -> None:
         """Make a block invisible now; its pages go back once no lease or reservation holds them."""
-        ns = block.namespace
-        if ns.blocks.get(block.hash) is block:
+        ns, slot = block.namespace, block.slot
+        state = self.state[slot]
+        if state == RESERVED:
+            del ns.pending[block.hash]
+            self.state[slot] = DROPPED  # its reservation frees the pages when it ends
+        elif state == COMMITTED:
             del ns.blocks[block.hash]
-        if block.deleted:
-            return
-        block.deleted = True
-        if not block.committed:
-            return  # its reservation frees the pages when it ends
-        ns.committed_blocks -= 1
-        self.policy.remove(block)
-        if block.pins:
-            self._orphan_pages += ns.pages_per_block
-        else:
-            self._free(block)
+            if in_policy:
+                self.policy.remove_many([slot], forget=True)
+            if self.pins[slot]:
+                self.state[slot] = DROPPED
+                self._orphan_pages += ns.pages_per_block
+            else:
+                self._free(block)
 
     def _free(self, block: Block) -> None:
-        self.allocator.release(np.frombuffer(block.pages, dtype="<u4"))
+        self.pages.release(np.frombuffer(block.pages, dtype="<u4"))
+        self.slots.release(np.array([block.slot]))
+        self.state[block.slot] = FREE
+        self.block_at[block.slot] = None
 
     def delete(self, ns: Namespace, hashes: list[bytes]) -> int:
-        victims = [b for b in (ns.blocks.get(h) for h in hashes) if b is not None and b.committed]
+        victims = [b for b in map(ns.blocks.get, hashes) if b is not None]
         for block in victims:
             self._drop(block)
         return len(victims)
@@ -402,8 +420,8 @@ class BlockStore:
         targets = [ns] if ns is not None else list(self.namespaces.values())
         deleted = 0
         for target in targets:
-            for block in list(target.blocks.values()):
-                deleted += block.committed
+            deleted += len(target.blocks)
+            for block in [*target.blocks.values(), *target.pending.values()]:
                 self._drop(block)
         return deleted
 
@@ -432,26 +450,23 @@ class BlockStore:
     # ------------------------------------------------------------------ inspection
 
     def usage(self) -> PoolUsage:
-        committed = sum(ns.committed_blocks * ns.pages_per_block for ns in self.namespaces.values())
-        pinned = sum(1 for lease in self._leases.values() for _ in lease.blocks)
+        committed = sum(len(ns.blocks) * ns.pages_per_block for ns in self.namespaces.values())
         return PoolUsage(
-            total_pages=self.allocator.num_pages,
-            used_pages=self.allocator.used_pages,
+            total_pages=self.pages.size,
+            used_pages=self.pages.used,
             committed_pages=committed,
             reserved_pages=self._reserved_pages,
             orphan_pages=self._orphan_pages,
-            pinned_blocks=pinned,
+            pinned_blocks=int(self.pins.sum()),
         )
 
     def committed_blocks(self, ns: Namespace | None = None) -> Iterator[Block]:
-        targets = [ns] if ns is not None else self.namespaces.values()
+        targets = [ns] if ns is not None else list(self.namespaces.values())
         for target in targets:
-            for block in target.blocks.values():
-                if block.committed:
-                    yield block
+            yield from target.blocks.values()
 
     def find_block(self, ns: Namespace, block_hash: bytes) -> Block:
         block = ns.blocks.get(block_hash)
-        if block is None or not block.committed:
+        if block is None:
             raise NotFound(f"block {block_hash.hex()} is not in namespace {ns.id}")
         return block

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import tomllib
 
 from kvtier.paths import default_socket_path
 from kvtier.sizes import parse_size

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
-
 from kvtierd import __version__
 from kvtierd.block_store import BlockStore, Lease
 from kvtierd.errors import InvalidArgument, ResourceExhausted, Unimplemented
@@ -25,7 +25,13 @@ _MESSAGE_OVERHEAD = 64 << 10
 
 class DataService(pb_grpc.KVTierServicer):
     def __init__(
-        self, store: BlockStore, pool: SharedPool, sessions: SessionRegistry, metrics: Metrics, limits: pb.Limits, pool_info: pb.PoolInfo
+        self,
+        store: BlockStore,
+        pool: SharedPool,
+        sessions: SessionRegistry,
+        metrics: Metrics,
+        limits: pb.Limits,
+        pool_info: pb.PoolInfo,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -54,7 +60,12 @@ class DataService(pb_grpc.KVTierServicer):
             leases, reservations = self.store.drop_session(session.id)
             log.info(
                 "engine disconnected",
-                extra={"session": session.id, "engine": session.engine_name, "released_leases": leases, "aborted_reservations": reservations},
+                extra={
+                    "session": session.id,
+                    "engine": session.engine_name,
+                    "released_leases": leases,
+                    "aborted_reservations": reservations,
+                },
             )
 
     @unary

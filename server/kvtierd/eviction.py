@@ -1,63 +1,61 @@
-"""Eviction policies of the RAM tier. They order committed, unpinned blocks; pinned or reserved
-blocks are never inside a policy, so they can never be chosen as victims."""
+"""Eviction policies of the RAM tier, over block slots (ints).
+
+A policy holds only committed, unpinned blocks: pinned or reserved blocks are never inside, so they can
+never be chosen as victims. Batch methods take lists of slots and run their loops in C where they can
+(`deque(map(...), maxlen=0)` consumes an iterator without a Python-level loop).
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Protocol, TypeVar
+from collections import OrderedDict, deque
+from itertools import repeat
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 
-class Keyed(Protocol):
-    @property
-    def key(self) -> Hashable:
-        """Identifies the block across evictions (for ghost lists)."""
+def _consume(iterator) -> None:
+    deque(iterator, maxlen=0)
 
 
-Item = TypeVar("Item", bound=Keyed)
+class EvictionPolicy(Protocol):
+    def insert_many(self, slots: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """Newly committed blocks; `keys` identify them across evictions (for ghost lists)."""
 
+    def access_many(self, slots: Sequence[int]) -> None:
+        """Hits on blocks inside the policy."""
 
-class EvictionPolicy(Protocol[Item]):
-    def insert(self, item: Item) -> None:
-        """A newly committed block."""
+    def remove_many(self, slots: Sequence[int], forget: bool) -> None:
+        """Take blocks out: pinned (forget=False, restore later) or deleted (forget=True)."""
 
-    def access(self, item: Item) -> None:
-        """A hit on a block inside the policy."""
+    def restore_many(self, slots: Sequence[int]) -> None:
+        """Put back blocks taken out by remove_many(forget=False); they were just used."""
 
-    def remove(self, item: Item) -> None:
-        """Take a block out (pinned or deleted); no-op if absent."""
-
-    def restore(self, item: Item) -> None:
-        """Put back a block that was taken out by remove() (it was just used)."""
-
-    def pop_victim(self) -> Item | None:
-        """Remove and return the block to evict next, or None when the policy is empty."""
+    def pop_victim(self) -> int | None:
+        """Remove and return the slot to evict next, or None when the policy is empty."""
 
     def __len__(self) -> int: ...
 
 
 class LRUPolicy:
     def __init__(self) -> None:
-        self._order: OrderedDict = OrderedDict()
+        self._order: OrderedDict[int, None] = OrderedDict()
 
-    def insert(self, item) -> None:
-        self._order[item] = None
+    def insert_many(self, slots, keys) -> None:
+        self._order.update(dict.fromkeys(slots))
 
-    def access(self, item) -> None:
-        if item in self._order:
-            self._order.move_to_end(item)
+    def access_many(self, slots) -> None:
+        _consume(map(self._order.move_to_end, slots))
 
-    def remove(self, item) -> None:
-        self._order.pop(item, None)
+    def remove_many(self, slots, forget: bool) -> None:
+        _consume(map(self._order.pop, slots, repeat(None)))
 
-    def restore(self, item) -> None:
-        self._order[item] = None
-        self._order.move_to_end(item)
+    def restore_many(self, slots) -> None:
+        self.insert_many(slots, ())
 
-    def pop_victim(self):
+    def pop_victim(self) -> int | None:
         if not self._order:
             return None
-        item, _ = self._order.popitem(last=False)
-        return item
+        return self._order.popitem(last=False)[0]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -71,59 +69,62 @@ class ARCPolicy:
     """
 
     def __init__(self) -> None:
-        self._t1: OrderedDict = OrderedDict()
-        self._t2: OrderedDict = OrderedDict()
-        self._b1: OrderedDict = OrderedDict()
-        self._b2: OrderedDict = OrderedDict()
+        self._t1: OrderedDict[int, None] = OrderedDict()
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[Hashable, None] = OrderedDict()
+        self._b2: OrderedDict[Hashable, None] = OrderedDict()
+        self._keys: dict[int, Hashable] = {}
         self.p = 0.0
 
-    def insert(self, item) -> None:
-        key = item.key
-        capacity = max(len(self), 1)
-        if key in self._b1:
-            self.p = min(float(capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
-            del self._b1[key]
-            self._t2[item] = None
-        elif key in self._b2:
-            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
-            del self._b2[key]
-            self._t2[item] = None
-        else:
-            self._t1[item] = None
+    def insert_many(self, slots, keys) -> None:
+        for slot, key in zip(slots, keys, strict=True):
+            self._keys[slot] = key
+            capacity = max(len(self), 1)
+            if key in self._b1:
+                self.p = min(float(capacity), self.p + max(len(self._b2) / len(self._b1), 1.0))
+                del self._b1[key]
+                self._t2[slot] = None
+            elif key in self._b2:
+                self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0))
+                del self._b2[key]
+                self._t2[slot] = None
+            else:
+                self._t1[slot] = None
 
-    def access(self, item) -> None:
-        if item in self._t1:
-            del self._t1[item]
-            self._t2[item] = None
-        elif item in self._t2:
-            self._t2.move_to_end(item)
+    def access_many(self, slots) -> None:
+        for slot in slots:
+            if slot in self._t1:
+                del self._t1[slot]
+                self._t2[slot] = None
+            else:
+                self._t2.move_to_end(slot)
 
-    def remove(self, item) -> None:
-        self._t1.pop(item, None)
-        self._t2.pop(item, None)
+    def remove_many(self, slots, forget: bool) -> None:
+        for slot in slots:
+            self._t1.pop(slot, None)
+            self._t2.pop(slot, None)
+            if forget:
+                self._keys.pop(slot, None)
 
-    def restore(self, item) -> None:
-        self.remove(item)
-        self._t2[item] = None
+    def restore_many(self, slots) -> None:
+        for slot in slots:
+            self._t2[slot] = None
 
-    def pop_victim(self):
+    def pop_victim(self) -> int | None:
         if self._t1 and (len(self._t1) > self.p or not self._t2):
-            item, _ = self._t1.popitem(last=False)
+            slot = self._t1.popitem(last=False)[0]
             ghosts = self._b1
         elif self._t2:
-            item, _ = self._t2.popitem(last=False)
+            slot = self._t2.popitem(last=False)[0]
             ghosts = self._b2
         else:
             return None
-        ghosts[item.key] = None
-        self._trim_ghosts()
-        return item
-
-    def _trim_ghosts(self) -> None:
+        ghosts[self._keys.pop(slot)] = None
         limit = max(len(self), 1)
         while len(self._b1) + len(self._b2) > limit:
             longer = self._b1 if len(self._b1) >= len(self._b2) else self._b2
             longer.popitem(last=False)
+        return slot
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

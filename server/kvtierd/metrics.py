@@ -51,9 +51,11 @@ class IndexCollector:
         capacity.add_metric([RAM_TIER], store.capacity_bytes)
         yield capacity
         blocks = GaugeMetricFamily("kvtierd_tier_blocks", "Committed blocks in the tier.", labels=["tier"])
-        blocks.add_metric([RAM_TIER], sum(ns.committed_blocks for ns in namespaces))
+        blocks.add_metric([RAM_TIER], sum(len(ns.blocks) for ns in namespaces))
         yield blocks
-        yield GaugeMetricFamily("kvtierd_reserved_bytes", "Pool bytes held by open reservations.", value=usage.reserved_pages * store.page_size)
+        yield GaugeMetricFamily(
+            "kvtierd_reserved_bytes", "Pool bytes held by open reservations.", value=usage.reserved_pages * store.page_size
+        )
         yield GaugeMetricFamily("kvtierd_pinned_blocks", "Block pins held by open leases.", value=usage.pinned_blocks)
         yield GaugeMetricFamily("kvtierd_namespaces", "Namespaces known.", value=len(namespaces))
         yield GaugeMetricFamily("kvtierd_engines_connected", "Engine sessions open.", value=len(self._sessions))

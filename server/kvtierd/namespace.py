@@ -7,7 +7,6 @@ import json
 
 from kvtier.messages import message_to_dict
 from kvtier.v1 import kvtier_pb2 as pb
-
 from kvtierd.errors import InvalidArgument
 
 # Bump when the meaning of stored bytes changes; old namespaces then never match new ones.

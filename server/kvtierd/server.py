@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from prometheus_client import start_http_server
 
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
 from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
@@ -100,7 +100,11 @@ def build(config: Config) -> Daemon:
         max_namespaces=config.max_namespaces,
     )
     pool_info = pb.PoolInfo(
-        pool_id=pool.pool_id, shm_path=str(pool.path), size_bytes=pool.size, page_size=pool.page_size, cuda_registered=cuda_registered
+        pool_id=pool.pool_id,
+        shm_path=str(pool.path),
+        size_bytes=pool.size,
+        page_size=pool.page_size,
+        cuda_registered=cuda_registered,
     )
     info = pb.GetInfoResponse(
         version=__version__,

@@ -7,7 +7,6 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvtier.v1 import kvtier_pb2 as pb
-
 from kvtierd.errors import FailedPrecondition, Unauthenticated
 
 

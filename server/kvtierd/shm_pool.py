@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from kvtier.pool_view import PageView
 
+from kvtier.pool_view import PageView
 from kvtierd.cuda_host import CudaHostRegistration
 
 log = logging.getLogger(__name__)
