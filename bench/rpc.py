@@ -81,19 +81,19 @@ def main() -> None:
         stop_daemon(daemon)
 
     echo_64 = results["echo_64"]["p50_ms"]
+    store_ms = results[f"store_{BATCH}"]["p50_ms"] - results["delete_overhead"]["p50_ms"]
+    load_ms = results[f"load_{BATCH}"]["p50_ms"]
+    batch_gb = BATCH * BLOCK_BYTES / 1e9
     summary = {
         "echo_p50_ms": results["echo_1024"]["p50_ms"],
         "lookup_1024_p50_ms": results["lookup_1024"]["p50_ms"],
         "lookup_1024_ratio_vs_echo": results["lookup_1024"]["p50_ms"] / results["echo_1024"]["p50_ms"],
         "lookup_64_ratio_vs_echo": results["lookup_64"]["p50_ms"] / echo_64,
         "lookup_1_ratio_vs_echo": results["lookup_1"]["p50_ms"] / results["echo_1"]["p50_ms"],
-        f"store_{BATCH}_p50_ms": results[f"store_{BATCH}"]["p50_ms"] - results["delete_overhead"]["p50_ms"],
-        f"load_{BATCH}_p50_ms": results[f"load_{BATCH}"]["p50_ms"],
-        f"store_{BATCH}_GBps": BATCH
-        * BLOCK_BYTES
-        / 1e9
-        / ((results[f"store_{BATCH}"]["p50_ms"] - results["delete_overhead"]["p50_ms"]) / 1000),
-        f"load_{BATCH}_GBps": BATCH * BLOCK_BYTES / 1e9 / (results[f"load_{BATCH}"]["p50_ms"] / 1000),
+        f"store_{BATCH}_p50_ms": store_ms,
+        f"load_{BATCH}_p50_ms": load_ms,
+        f"store_{BATCH}_GBps": batch_gb / (store_ms / 1000),
+        f"load_{BATCH}_GBps": batch_gb / (load_ms / 1000),
     }
     command = "python bench/rpc.py" + (" --quick" if quick else "")
     path = write_result("rpc", {"block_bytes": BLOCK_BYTES, "summary": summary, "timings": results}, command)

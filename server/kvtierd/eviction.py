@@ -8,8 +8,8 @@ never be chosen as victims. Batch methods take lists of slots and run their loop
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import repeat
 from collections.abc import Hashable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 
