@@ -57,7 +57,8 @@ def main() -> None:
         "lookup_us_per_hash": lookup_us_per_hash,
         "lookup_pin_release_us_per_hash": pin_release_us_per_hash,
     }
-    path = write_result("index_memory", result, "python bench/index_memory.py" + (f" --blocks {blocks}" if blocks != 1_000_000 else ""))
+    command = "python bench/index_memory.py" + (f" --blocks {blocks}" if blocks != 1_000_000 else "")
+    path = write_result("index_memory", result, command)
     for key, value in result.items():
         print(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
     print(f"wrote {path}")
