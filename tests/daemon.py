@@ -41,7 +41,8 @@ class DaemonProcess:
 
     @property
     def shm_dir(self) -> Path:
-        return self.directory / "shm"
+        # tmpfs, as in production: a pool file on a disk filesystem is slow and cannot be CUDA-registered
+        return Path("/dev/shm") / self.directory.name
 
     def start(self) -> DaemonProcess:
         self.shm_dir.mkdir(exist_ok=True)
@@ -111,3 +112,4 @@ def new_daemon_dir() -> Path:
 
 def remove_daemon_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(Path("/dev/shm") / path.name, ignore_errors=True)
