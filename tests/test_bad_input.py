@@ -177,6 +177,8 @@ def test_admin_bad_inputs(env):
     ns = owner.register(spec(block_bytes=10_000))
     for method, fields, code in [
         ("InspectBlock", {"namespace": ns.id, "hash": b"\0" * 32}, grpc.StatusCode.NOT_FOUND),
+        ("InspectBlock", {"namespace": ns.id, "hash": b"\0" * 3}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("ListBlocks", {"page_token": "-5"}, grpc.StatusCode.INVALID_ARGUMENT),
         ("ListBlocks", {"page_token": "abc"}, grpc.StatusCode.INVALID_ARGUMENT),
         ("ListBlocks", {"page_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT),
         ("Clear", {}, grpc.StatusCode.INVALID_ARGUMENT),

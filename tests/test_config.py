@@ -37,6 +37,13 @@ def test_precedence_flags_over_env_over_toml(tmp_path):
     assert config.pool_size == 512 << 20
 
 
+def test_toml_integer_modes_and_sizes(tmp_path):
+    toml = tmp_path / "kvtierd.toml"
+    toml.write_text("socket-mode = 0o660\nshm-mode = 0o600\npool-size = 1073741824\nprefault = false\n")
+    config = load_config(["--config", str(toml)], environ={})
+    assert (config.socket_mode, config.shm_mode, config.pool_size, config.prefault) == (0o660, 0o600, 1 << 30, False)
+
+
 def test_defaults_are_safe():
     config = load_config([], environ={})
     assert config.listen == ""

@@ -52,7 +52,7 @@ def test_metrics_endpoint(daemon):
     assert values['kvtierd_stored_bytes_total{tier="ram"}'] == 3 * ns.block_bytes
     assert values['kvtierd_loaded_blocks_total{tier="ram"}'] == 3
     assert values['kvtierd_hit_blocks_total{tier="ram"}'] == 3
-    assert values["kvtierd_miss_blocks_total"] == 2
+    assert values['kvtierd_miss_blocks_total{tier="ram"}'] == 2
     assert values["kvtierd_lookup_requests_total"] == 2
     assert values['kvtierd_tier_capacity_bytes{tier="ram"}'] == 64 << 20
     assert values['kvtierd_tier_used_bytes{tier="ram"}'] == 3 * 3 * 32768
@@ -117,7 +117,7 @@ def test_graceful_shutdown_with_work_in_flight():
         client.lookup(ns, chain_hashes("done", 2), pin=True)
         started = time.monotonic()
         assert daemon.stop() == 0
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 3  # open sessions are ended, not waited out
         assert not daemon.socket.exists()
         assert list(daemon.shm_dir.iterdir()) == []
         log = daemon.log()
@@ -139,3 +139,29 @@ def test_structured_logs(start_daemon, fmt):
         assert entry["level"] == "info" and "msg" in entry
     else:
         assert " info " in first
+
+
+def test_a_file_that_is_not_a_socket_is_never_replaced(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--socket", str(victim), "--pool-size", "16MiB", "--metrics-port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode != 0 and "is not a socket" in result.stderr
+    assert victim.read_text() == "keep me"
+
+
+def test_a_pool_larger_than_the_tmpfs_is_refused(monkeypatch, tmp_path):
+    import os
+
+    from kvtierd.shm_pool import SharedPool
+
+    real = os.statvfs(tmp_path)
+    tiny = os.statvfs_result((real.f_bsize, 4096, 100, 10, 10, *real[5:]))
+    monkeypatch.setattr(os, "statvfs", lambda path: tiny)
+    with pytest.raises(SystemExit, match="--shm-size"):
+        SharedPool(tmp_path, "kvtierd-test-", 1 << 20, 4096, 0o600)
+    assert list(tmp_path.iterdir()) == []

@@ -42,7 +42,7 @@ class AsyncKVTierClient:
         call = self._stub.Session(requests())
         try:
             event = await asyncio.wait_for(call.read(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             call.cancel()
             raise ConnectionError(f"no session from kvtierd at {self.address} within {self.timeout}s") from None
         if event is grpc.aio.EOF:

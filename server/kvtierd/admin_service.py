@@ -92,10 +92,10 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         if page_size > MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size {page_size} exceeds {MAX_PAGE_SIZE}")
-        try:
-            offset = int(request.page_token or 0)
-        except ValueError:
-            raise InvalidArgument(f"bad page_token {request.page_token!r}") from None
+        token = request.page_token or "0"
+        if not token.isdigit():
+            raise InvalidArgument(f"bad page_token {request.page_token!r}")
+        offset = int(token)
         store = self.store
         blocks = list(store.committed_blocks(ns))
         slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))

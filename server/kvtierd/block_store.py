@@ -457,7 +457,7 @@ class BlockStore:
             committed_pages=committed,
             reserved_pages=self._reserved_pages,
             orphan_pages=self._orphan_pages,
-            pinned_blocks=int(self.pins.sum()),
+            pinned_blocks=int(np.count_nonzero(self.pins)),
         )
 
     def committed_blocks(self, ns: Namespace | None = None) -> Iterator[Block]:
@@ -466,6 +466,8 @@ class BlockStore:
             yield from target.blocks.values()
 
     def find_block(self, ns: Namespace, block_hash: bytes) -> Block:
+        if len(block_hash) != ns.hash_bytes:
+            raise InvalidArgument(f"hash has {len(block_hash)} bytes; the namespace's hashes have {ns.hash_bytes}")
         block = ns.blocks.get(block_hash)
         if block is None:
             raise NotFound(f"block {block_hash.hex()} is not in namespace {ns.id}")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from kvtier.paths import default_socket_path
 from kvtier.sizes import parse_size
@@ -53,7 +52,9 @@ class Config:
     cuda_register: bool = _option(True, "Pin the pool with cudaHostRegister when CUDA is available.", _parse_bool)
     eviction: str = _option("lru", "Eviction policy of the RAM tier.", str, ("lru", "arc"))
     store_threshold: int = _option(1, "Store a block only after it was offered this many times.", int)
-    lease_ttl: float = _option(30.0, "Seconds before an unused pin lease or reservation is freed.", _parse_seconds)
+    lease_ttl: float = _option(
+        30.0, "Seconds a pin lease or reservation may live, from its creation; then it is freed.", _parse_seconds
+    )
     max_batch_blocks: int = _option(4096, "Most block hashes one call may carry.", int)
     max_message_size: int = _option(64 << 20, "Largest gRPC message (bounds inline transfers).", parse_size)
     max_namespaces: int = _option(64, "Most namespaces the daemon keeps.", int)
@@ -75,7 +76,9 @@ def _render(value: Any, name: str) -> str:
 def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
     parse = f.metadata["parse"]
     try:
-        value = parse(str(raw))
+        # TOML integers (e.g. socket-mode = 0o660) are taken as they are; strings go through the parser.
+        takes_int = parse in (int, parse_size, _parse_mode) and isinstance(raw, int) and not isinstance(raw, bool)
+        value = raw if takes_int else parse(str(raw))
     except ValueError as exc:
         raise SystemExit(f"kvtierd: bad value for {f.name} from {source}: {exc}") from exc
     choices = f.metadata["choices"]

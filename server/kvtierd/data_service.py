@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -39,6 +40,11 @@ class DataService(pb_grpc.KVTierServicer):
         self.metrics = metrics
         self.limits = limits
         self.pool_info = pool_info
+        self._closing = asyncio.Event()
+
+    def close_sessions(self) -> None:
+        """Shutting down: end every session stream now instead of waiting out the grace period."""
+        self._closing.set()
 
     async def Session(self, request_iterator, context):  # noqa: N802 (gRPC names)
         first = await anext(aiter(request_iterator), None)
@@ -53,8 +59,12 @@ class DataService(pb_grpc.KVTierServicer):
         )
         try:
             yield pb.SessionEvent(session_id=session.id, pool=self.pool_info, server_version=__version__, limits=self.limits)
-            async for _ in request_iterator:
-                pass  # heartbeats keep the stream alive; nothing to answer
+            # Heartbeats keep the stream alive and need no answer; it ends when the engine leaves or we shut down.
+            drained = asyncio.ensure_future(_drain(request_iterator))
+            closing = asyncio.ensure_future(self._closing.wait())
+            await asyncio.wait({drained, closing}, return_when=asyncio.FIRST_COMPLETED)
+            drained.cancel()
+            closing.cancel()
         finally:
             self.sessions.close(session.id)
             leases, reservations = self.store.drop_session(session.id)
@@ -179,6 +189,11 @@ class DataService(pb_grpc.KVTierServicer):
         session = self.sessions.get(request.session_id)
         self.store.abort(session.id, request.reservation_id)
         return pb.AbortResponse()
+
+
+async def _drain(request_iterator) -> None:
+    async for _ in request_iterator:
+        pass
 
 
 def _refuse_cuda_ipc(transport: int) -> None:

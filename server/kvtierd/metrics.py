@@ -34,7 +34,7 @@ class IndexCollector:
 
         yield CounterMetricFamily("kvtierd_lookup_requests", "Lookup calls served.", value=total("lookups"))
         yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", total("hits"))
-        yield CounterMetricFamily("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", value=total("misses"))
+        yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", total("misses"))
         yield tier_counter("kvtierd_stored_blocks", "Blocks committed.", total("stored_blocks"))
         yield tier_counter("kvtierd_stored_bytes", "Bytes committed.", total_bytes("stored_blocks"))
         yield tier_counter("kvtierd_loaded_blocks", "Blocks handed out for loads.", total("loaded_blocks"))
@@ -56,7 +56,7 @@ class IndexCollector:
         yield GaugeMetricFamily(
             "kvtierd_reserved_bytes", "Pool bytes held by open reservations.", value=usage.reserved_pages * store.page_size
         )
-        yield GaugeMetricFamily("kvtierd_pinned_blocks", "Block pins held by open leases.", value=usage.pinned_blocks)
+        yield GaugeMetricFamily("kvtierd_pinned_blocks", "Blocks pinned by open leases.", value=usage.pinned_blocks)
         yield GaugeMetricFamily("kvtierd_namespaces", "Namespaces known.", value=len(namespaces))
         yield GaugeMetricFamily("kvtierd_engines_connected", "Engine sessions open.", value=len(self._sessions))
 

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class Daemon:
     server: grpc.aio.Server
     health: health.aio.HealthServicer
     metrics_port: int
+    data: DataService
 
 
 def prepare_socket(path) -> None:
@@ -57,6 +59,8 @@ def prepare_socket(path) -> None:
         path.parent.mkdir(parents=True, mode=0o750)
     if not path.exists() and not path.is_symlink():
         return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise SystemExit(f"kvtierd: {path} exists and is not a socket; refusing to replace it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
@@ -120,9 +124,15 @@ def build(config: Config) -> Daemon:
         options=[
             ("grpc.max_receive_message_length", config.max_message_size),
             ("grpc.max_send_message_length", config.max_message_size),
+            # Notice engines that vanish without closing their connection (TCP); Unix sockets close at once.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
     )
-    pb_grpc.add_KVTierServicer_to_server(DataService(store, pool, sessions, metrics, limits, pool_info), server)
+    data = DataService(store, pool, sessions, metrics, limits, pool_info)
+    pb_grpc.add_KVTierServicer_to_server(data, server)
     pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -130,7 +140,7 @@ def build(config: Config) -> Daemon:
     server.add_insecure_port(f"unix://{config.socket}")
     if config.listen:
         server.add_insecure_port(config.listen)
-    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port)
+    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data)
 
 
 async def expire_leases(daemon: Daemon) -> None:
@@ -139,7 +149,7 @@ async def expire_leases(daemon: Daemon) -> None:
         await asyncio.sleep(interval)
         leases, reservations = daemon.store.expire()
         if leases or reservations:
-            log.warning("expired unused holds", extra={"leases": leases, "reservations": reservations})
+            log.warning("expired holds", extra={"leases": leases, "reservations": reservations})
 
 
 async def serve(config: Config) -> None:
@@ -148,7 +158,11 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await daemon.server.start()
+    previous_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is born with its final mode
+    try:
+        await daemon.server.start()
+    finally:
+        os.umask(previous_umask)
     os.chmod(config.socket, config.socket_mode)
     for name in ("", *SERVICE_NAMES):
         await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -169,6 +183,7 @@ async def serve(config: Config) -> None:
     await stop.wait()
     log.info("shutting down", extra={"grace_seconds": SHUTDOWN_GRACE_SECONDS})
     await daemon.health.enter_graceful_shutdown()
+    daemon.data.close_sessions()
     await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
     expiry.cancel()
     daemon.pool.close()

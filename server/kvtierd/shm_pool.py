@@ -36,6 +36,12 @@ class SharedPool:
         for stale in shm_dir.glob(prefix + "*"):
             log.info("removing stale pool file", extra={"path": str(stale)})
             stale.unlink(missing_ok=True)
+        fs = os.statvfs(shm_dir)
+        if fs.f_bavail * fs.f_frsize < self.size:
+            raise SystemExit(
+                f"kvtierd: {shm_dir} has {fs.f_bavail * fs.f_frsize} bytes free, less than the pool's {self.size}; "
+                "lower --pool-size or enlarge the tmpfs (containers: --shm-size)"
+            )
         self.path = shm_dir / f"{prefix}{self.pool_id[:12]}.pool"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         try:
