@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from blocks import chain_hashes, contents, spec
 
+from kvtier import checksum
 from kvtier.aio import AsyncKVTierClient
 from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
@@ -110,3 +111,34 @@ def test_asyncio_client(daemon):
             assert np.array_equal(await client.load(ns, hashes, transport="inline"), data)
 
     asyncio.run(scenario())
+
+
+def test_lookup_batch_and_release_many(client):
+    ns = client.register(spec())
+    first, second = chain_hashes("batch-a", 5), chain_hashes("batch-b", 3)
+    client.store(ns, first, contents(first, ns.block_bytes))
+    client.store(ns, second[:2], contents(second[:2], ns.block_bytes))
+    results = client.lookup_batch(ns, [first, second, chain_hashes("none", 2)], pin=True)
+    assert [r.hit_count for r in results] == [5, 2, 0]
+    assert results[2].lease_id == 0
+    assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 7
+    assert np.array_equal(results[0].checksums, checksum.block_checksums(contents(first, ns.block_bytes)))
+    client.release(results[0].lease_id, results[1].lease_id)
+    assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
+
+
+def test_corrupted_pool_bytes_are_a_miss(daemon, client):
+    ns = client.register(spec())
+    hashes = chain_hashes("corrupt", 6)
+    data = contents(hashes, ns.block_bytes)
+    client.store(ns, hashes, data)
+    pages = client.lookup(ns, hashes, pin=True)
+    view = client.state.pool().view
+    view.pages[pages.page_ids[3, 1], 100] ^= 0xFF  # someone scribbles on block 3
+    client.release(pages.lease_id)
+    for transport in ("shm", "inline"):
+        assert np.array_equal(client.load(ns, hashes, transport=transport), data[:3])
+    inspected = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[3])
+    assert inspected.stored_checksum and inspected.checksum != inspected.stored_checksum
+    intact = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[2])
+    assert intact.checksum == intact.stored_checksum

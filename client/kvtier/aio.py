@@ -97,8 +97,13 @@ class AsyncKVTierClient:
     async def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
         return await self._run(ops.lookup(self.state, ns, hashes, pin))
 
-    async def release(self, lease_id: int) -> None:
-        await self._run(ops.release(self.state, lease_id))
+    async def lookup_batch(
+        self, ns: ops.Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False
+    ) -> list[ops.LookupResult]:
+        return await self._run(ops.lookup_batch(self.state, ns, queries, pin))
+
+    async def release(self, *lease_ids: int) -> None:
+        await self._run(ops.release(self.state, *lease_ids))
 
     async def load(
         self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm"
@@ -111,8 +116,8 @@ class AsyncKVTierClient:
     async def write(self, reservation_id: int, index: int, offset: int, data: bytes) -> None:
         await self._run(ops.write(self.state, reservation_id, index, offset, data))
 
-    async def commit(self, reservation_id: int, data: bytes = b"") -> int:
-        return await self._run(ops.commit(self.state, reservation_id, data))
+    async def commit(self, reservation_id: int, data: bytes = b"", checksums: np.ndarray | None = None) -> int:
+        return await self._run(ops.commit(self.state, reservation_id, data, checksums))
 
     async def abort(self, reservation_id: int) -> None:
         await self._run(ops.abort(self.state, reservation_id))

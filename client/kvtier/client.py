@@ -121,8 +121,13 @@ class KVTierClient:
     def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
         return self._run(ops.lookup(self.state, ns, hashes, pin))
 
-    def release(self, lease_id: int) -> None:
-        self._run(ops.release(self.state, lease_id))
+    def lookup_batch(
+        self, ns: ops.Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False
+    ) -> list[ops.LookupResult]:
+        return self._run(ops.lookup_batch(self.state, ns, queries, pin))
+
+    def release(self, *lease_ids: int) -> None:
+        self._run(ops.release(self.state, *lease_ids))
 
     def load(
         self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm"
@@ -135,8 +140,8 @@ class KVTierClient:
     def write(self, reservation_id: int, index: int, offset: int, data: bytes) -> None:
         self._run(ops.write(self.state, reservation_id, index, offset, data))
 
-    def commit(self, reservation_id: int, data: bytes = b"") -> int:
-        return self._run(ops.commit(self.state, reservation_id, data))
+    def commit(self, reservation_id: int, data: bytes = b"", checksums: np.ndarray | None = None) -> int:
+        return self._run(ops.commit(self.state, reservation_id, data, checksums))
 
     def abort(self, reservation_id: int) -> None:
         self._run(ops.abort(self.state, reservation_id))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier import checksum
 from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -37,6 +38,15 @@ class LookupResult:
     hit_count: int
     lease_id: int = 0
     page_ids: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.uint32))
+    checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+
+
+def verified_prefix(blocks: np.ndarray, expected: np.ndarray) -> int:
+    """How many leading blocks match their stored checksums (0 = unknown counts as a match)."""
+    if len(blocks) == 0:
+        return 0
+    bad = (expected != 0) & (checksum.block_checksums(blocks) != expected)
+    return int(np.argmax(bad)) if bad.any() else len(blocks)
 
 
 @dataclass
@@ -85,20 +95,35 @@ def register(state: SessionState, spec: pb.NamespaceSpec) -> Op:
     return Namespace(response.namespace, spec, response.block_bytes, response.pages_per_block)
 
 
+def _lookup_result(response: pb.LookupResponse, ns: Namespace) -> LookupResult:
+    if not response.lease_id:
+        return LookupResult(response.hit_count)
+    page_ids = decode_page_ids(response.page_ids, ns.pages_per_block)
+    return LookupResult(response.hit_count, response.lease_id, page_ids, checksum.decode(response.checksums))
+
+
 def lookup(state: SessionState, ns: Namespace, hashes, pin: bool = False) -> Op:
     request = pb.LookupRequest(session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes), pin=pin)
     response = yield "Lookup", request
-    if not response.lease_id:
-        return LookupResult(response.hit_count)
-    return LookupResult(response.hit_count, response.lease_id, decode_page_ids(response.page_ids, ns.pages_per_block))
+    return _lookup_result(response, ns)
 
 
-def release(state: SessionState, lease_id: int) -> Op:
-    yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=lease_id)
+def lookup_batch(state: SessionState, ns: Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False) -> Op:
+    """Independent prefix lookups in one call; one LookupResult per query."""
+    request = pb.LookupBatchRequest(
+        session_id=state.session_id, namespace=ns.id, queries=[join_hashes(q) for q in queries], pin=pin
+    )
+    response = yield "LookupBatch", request
+    return [_lookup_result(r, ns) for r in response.results]
+
+
+def release(state: SessionState, *lease_ids: int) -> Op:
+    yield "Release", pb.ReleaseRequest(session_id=state.session_id, more_lease_ids=lease_ids)
 
 
 def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, transport: str = "shm") -> Op:
-    """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy)."""
+    """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy). The prefix ends
+    before the first block whose bytes do not match their stored checksum (a corrupt block is a miss)."""
     request = pb.LoadRequest(
         session_id=state.session_id,
         namespace=ns.id,
@@ -108,13 +133,15 @@ def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, tran
     )
     response = yield "Load", request
     if transport == "inline":
-        return np.frombuffer(response.data, dtype=np.uint8).reshape(response.block_count, ns.block_bytes)
-    if response.block_count == 0:
+        blocks = np.frombuffer(response.data, dtype=np.uint8).reshape(response.block_count, ns.block_bytes)
+    elif response.block_count == 0:
         return np.empty((0, ns.block_bytes), dtype=np.uint8)
-    try:
-        return state.pool().view.read_blocks(decode_page_ids(response.page_ids, ns.pages_per_block), ns.block_bytes)
-    finally:
-        yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=response.lease_id)
+    else:
+        try:
+            blocks = state.pool().view.read_blocks(decode_page_ids(response.page_ids, ns.pages_per_block), ns.block_bytes)
+        finally:
+            yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=response.lease_id)
+    return blocks[: verified_prefix(blocks, checksum.decode(response.checksums))]
 
 
 def reserve(state: SessionState, ns: Namespace, hashes) -> Op:
@@ -128,8 +155,10 @@ def write(state: SessionState, reservation_id: int, index: int, offset: int, dat
     yield "Write", request
 
 
-def commit(state: SessionState, reservation_id: int, data: bytes = b"") -> Op:
-    response = yield "Commit", pb.CommitRequest(session_id=state.session_id, reservation_id=reservation_id, data=data)
+def commit(state: SessionState, reservation_id: int, data: bytes = b"", checksums: np.ndarray | None = None) -> Op:
+    sums = b"" if checksums is None else checksum.encode(checksums)
+    request = pb.CommitRequest(session_id=state.session_id, reservation_id=reservation_id, data=data, checksums=sums)
+    response = yield "Commit", request
     return response.committed_count
 
 
@@ -152,4 +181,4 @@ def store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np.
     except BaseException:
         yield from abort(state, reservation.id)
         raise
-    return (yield from commit(state, reservation.id))
+    return (yield from commit(state, reservation.id, checksums=checksum.block_checksums(chosen)))

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import xxhash
 
+from kvtier import checksum
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -115,7 +116,11 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         block = self.store.find_block(ns, request.hash)
         data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
         return pb.InspectBlockResponse(
-            block=_block_info(self.store, block), page_ids=block.pages, checksum_xxh3=xxhash.xxh3_64_hexdigest(data)
+            block=_block_info(self.store, block),
+            page_ids=block.pages,
+            checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
+            stored_checksum=int(self.store.checksum[block.slot]),
+            checksum=int(checksum.block_checksums(data)[0]),
         )
 
     @unary

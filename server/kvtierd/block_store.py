@@ -158,6 +158,7 @@ class BlockStore:
         self.hits = np.zeros(num_pages, dtype=np.uint32)
         self.created_at = np.zeros(num_pages, dtype=np.float64)
         self.last_access = np.zeros(num_pages, dtype=np.float64)
+        self.checksum = np.zeros(num_pages, dtype=np.uint64)
         self.block_at: list[Block | None] = [None] * num_pages
         self.policy = make_policy(eviction)
         self.store_threshold = store_threshold
@@ -326,11 +327,15 @@ class BlockStore:
             )
         return reservation.blocks[index]
 
-    def commit(self, session_id: str, reservation_id: int) -> int:
+    def commit(self, session_id: str, reservation_id: int, checksums: np.ndarray | None = None) -> int:
+        """Make a reservation's blocks visible; `checksums` (one per reserved block) are kept for loaders."""
         reservation = self.reservation(session_id, reservation_id)
+        if checksums is not None and len(checksums) not in (0, len(reservation.blocks)):
+            raise InvalidArgument(f"{len(checksums)} checksums for a reservation of {len(reservation.blocks)} blocks")
         self._end_reservation(reservation, "committed")
         ns = reservation.namespace
         slots = reservation.slots
+        self.checksum[slots] = checksums if checksums is not None and len(checksums) else 0
         live = self.state[slots] == RESERVED
         blocks = reservation.blocks
         if not live.all():  # some were deleted while being written

@@ -7,15 +7,16 @@ import logging
 
 import numpy as np
 
+from kvtier import checksum
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
-from kvtierd.block_store import BlockStore, Lease
+from kvtierd.block_store import BlockStore, Lease, Namespace
 from kvtierd.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from kvtierd.metrics import Metrics
 from kvtierd.rpc import unary
-from kvtierd.sessions import SessionRegistry
+from kvtierd.sessions import Session, SessionRegistry
 from kvtierd.shm_pool import SharedPool
 
 log = logging.getLogger("kvtierd.data")
@@ -96,15 +97,34 @@ class DataService(pb_grpc.KVTierServicer):
     @unary
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
-        hashes = self.store.split_hashes(ns, request.hashes)
-        hit, lease = self.store.lookup(session.id, ns, hashes, request.pin)
+        return self._lookup(session, ns, request.hashes, request.pin)
+
+    @unary
+    def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
+        session, ns = self._session_namespace(request.session_id, request.namespace)
+        if len(request.queries) > self.limits.max_batch_blocks:
+            raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
+        return pb.LookupBatchResponse(results=[self._lookup(session, ns, query, request.pin) for query in request.queries])
+
+    def _lookup(self, session: Session, ns: Namespace, hashes: bytes, pin: bool) -> pb.LookupResponse:
+        blocks = self.store.split_hashes(ns, hashes)
+        hit, lease = self.store.lookup(session.id, ns, blocks, pin)
         counters = session.counters
         counters.lookups += 1
         counters.hit_blocks += hit
-        counters.miss_blocks += len(hashes) - hit
+        counters.miss_blocks += len(blocks) - hit
         if lease is None:
             return pb.LookupResponse(hit_count=hit)
-        return pb.LookupResponse(hit_count=hit, lease_id=lease.id, page_ids=lease.page_ids, lease_ttl_ms=self.limits.lease_ttl_ms)
+        return pb.LookupResponse(
+            hit_count=hit,
+            lease_id=lease.id,
+            page_ids=lease.page_ids,
+            lease_ttl_ms=self.limits.lease_ttl_ms,
+            checksums=self._checksums(lease),
+        )
+
+    def _checksums(self, lease: Lease) -> bytes:
+        return checksum.encode(self.store.checksum[lease.slots])
 
     @unary
     def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
@@ -122,7 +142,9 @@ class DataService(pb_grpc.KVTierServicer):
         session.counters.loaded_blocks += len(lease.blocks)
         session.counters.loaded_bytes += len(lease.blocks) * ns.block_bytes
         if transport == pb.TRANSPORT_SHM:
-            return pb.LoadResponse(block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids)
+            return pb.LoadResponse(
+                block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
+            )
         return self._load_inline(session.id, lease)
 
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
@@ -135,14 +157,15 @@ class DataService(pb_grpc.KVTierServicer):
                     "bytes; load fewer blocks per call or use TRANSPORT_SHM"
                 )
             data = self.pool.view.read_blocks(decode_page_ids(lease.page_ids, ns.pages_per_block), ns.block_bytes)
-            return pb.LoadResponse(block_count=len(lease.blocks), data=data.tobytes())
+            return pb.LoadResponse(block_count=len(lease.blocks), data=data.tobytes(), checksums=self._checksums(lease))
         finally:
             self.store.release(session_id, lease.id)
 
     @unary
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:  # noqa: N802
         session = self.sessions.get(request.session_id)
-        self.store.release(session.id, request.lease_id)
+        for lease_id in [request.lease_id, *request.more_lease_ids] if request.lease_id else request.more_lease_ids:
+            self.store.release(session.id, lease_id)
         return pb.ReleaseResponse()
 
     @unary
@@ -179,7 +202,12 @@ class DataService(pb_grpc.KVTierServicer):
                 )
             blocks = np.frombuffer(request.data, dtype=np.uint8).reshape(len(reservation.blocks), ns.block_bytes)
             self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, ns.pages_per_block), blocks)
-        committed = self.store.commit(session.id, reservation.id)
+            sums = checksum.block_checksums(blocks)
+        else:
+            sums = checksum.decode(request.checksums) if len(request.checksums) % 8 == 0 else None
+            if sums is None:
+                raise InvalidArgument(f"checksums field has {len(request.checksums)} bytes, not a multiple of 8")
+        committed = self.store.commit(session.id, reservation.id, sums)
         session.counters.stored_blocks += committed
         session.counters.stored_bytes += committed * ns.block_bytes
         return pb.CommitResponse(committed_count=committed)

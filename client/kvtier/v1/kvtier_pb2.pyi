@@ -172,16 +172,36 @@ class LookupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., hashes: _Optional[bytes] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_count", "lease_id", "page_ids", "lease_ttl_ms")
+    __slots__ = ("hit_count", "lease_id", "page_ids", "lease_ttl_ms", "checksums")
     HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     hit_count: int
     lease_id: int
     page_ids: bytes
     lease_ttl_ms: int
-    def __init__(self, hit_count: _Optional[int] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, hit_count: _Optional[int] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., checksums: _Optional[bytes] = ...) -> None: ...
+
+class LookupBatchRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "queries", "pin")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: str
+    queries: _containers.RepeatedScalarFieldContainer[bytes]
+    pin: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., queries: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class LookupBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LookupResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTarget(_message.Message):
     __slots__ = ("registration_id", "device_block_ids")
@@ -208,24 +228,28 @@ class LoadRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., hashes: _Optional[bytes] = ..., transport: _Optional[_Union[Transport, str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTarget, _Mapping]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("block_count", "data", "lease_id", "page_ids")
+    __slots__ = ("block_count", "data", "lease_id", "page_ids", "checksums")
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     block_count: int
     data: bytes
     lease_id: int
     page_ids: bytes
-    def __init__(self, block_count: _Optional[int] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, block_count: _Optional[int] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id", "lease_id")
+    __slots__ = ("session_id", "lease_id", "more_lease_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_id: int
-    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    more_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., more_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -276,14 +300,16 @@ class WriteResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "reservation_id", "data")
+    __slots__ = ("session_id", "reservation_id", "data", "checksums")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reservation_id: int
     data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    checksums: bytes
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., data: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed_count",)
@@ -463,14 +489,18 @@ class InspectBlockRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., hash: _Optional[bytes] = ...) -> None: ...
 
 class InspectBlockResponse(_message.Message):
-    __slots__ = ("block", "page_ids", "checksum_xxh3")
+    __slots__ = ("block", "page_ids", "checksum_xxh3", "stored_checksum", "checksum")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_XXH3_FIELD_NUMBER: _ClassVar[int]
+    STORED_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     block: BlockInfo
     page_ids: bytes
     checksum_xxh3: str
-    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., page_ids: _Optional[bytes] = ..., checksum_xxh3: _Optional[str] = ...) -> None: ...
+    stored_checksum: int
+    checksum: int
+    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., page_ids: _Optional[bytes] = ..., checksum_xxh3: _Optional[str] = ..., stored_checksum: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class DeleteBlocksRequest(_message.Message):
     __slots__ = ("namespace", "hashes")

@@ -49,6 +49,11 @@ class KVTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupBatch = channel.unary_unary(
+                '/kvtier.v1.KVTier/LookupBatch',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupBatchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupBatchResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/kvtier.v1.KVTier/Load',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.LoadRequest.SerializeToString,
@@ -98,6 +103,12 @@ class KVTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +167,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupBatch,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.LookupBatchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.LookupBatchResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -269,6 +285,33 @@ class KVTier:
             '/kvtier.v1.KVTier/Lookup',
             kvtier_dot_v1_dot_kvtier__pb2.LookupRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KVTier/LookupBatch',
+            kvtier_dot_v1_dot_kvtier__pb2.LookupBatchRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.LookupBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
