@@ -1,0 +1,30 @@
+"""What the scheduler side hands the workers each step (pickled inside vLLM's connector metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadJob:
+    """Fill the engine blocks `block_ids` with the cached blocks `hashes` (a prefix run)."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class StoreJob:
+    """Copy the engine blocks `block_ids`, just computed, into the cache under `hashes`."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class StepPlan:
+    namespace_spec: bytes = b""  # serialized NamespaceSpec, so workers register the same namespace
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)

@@ -1,0 +1,144 @@
+"""An engine's link to kvtierd that never hurts the engine.
+
+Every daemon call runs on one background thread. Callers get a Future and never block on the daemon
+unless they choose to wait (with a bound). When the daemon is absent, restarting or failing, calls
+fail fast (their Future raises `DaemonUnavailable`), the link retries the connection at most once per
+`reconnect_interval`, and after a restart it opens a new session, registers its namespace again and
+maps the new pool by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+
+from kvtier.client import KVTierClient
+from kvtier.ops import Namespace
+from kvtier.v1 import kvtier_pb2 as pb
+
+log = logging.getLogger("kvtier.engine")
+
+T = TypeVar("T")
+
+
+class DaemonUnavailable(Exception):
+    """The daemon could not be reached, or the call failed; treat it as a miss."""
+
+
+class DaemonLink:
+    def __init__(self, address: str | None, engine_name: str, timeout: float = 2.0, reconnect_interval: float = 1.0) -> None:
+        self.address = address
+        self.engine_name = engine_name
+        self.timeout = timeout
+        self.reconnect_interval = reconnect_interval
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-link")
+        self._client: KVTierClient | None = None
+        self._spec: pb.NamespaceSpec | None = None
+        self._namespace: Namespace | None = None
+        self._next_attempt = 0.0
+        self._down_logged = False
+        self._lock = threading.Lock()
+        self.connects = 0
+
+    def set_namespace_spec(self, spec: pb.NamespaceSpec) -> None:
+        """The namespace every call works in; registered on every (re)connect."""
+        with self._lock:
+            if self._spec is not None and self._spec == spec:
+                return
+            self._spec = spec
+            self._namespace = None
+
+    @property
+    def available(self) -> bool:
+        """False while the link is known to be down and waiting to retry."""
+        return self._client is not None or time.monotonic() >= self._next_attempt
+
+    def submit(self, call: Callable[[KVTierClient, Namespace], T]) -> Future[T]:
+        """Run `call(client, namespace)` on the link thread; its Future raises DaemonUnavailable on failure."""
+        return self._executor.submit(self._run, call)
+
+    def _run(self, call: Callable[[KVTierClient, Namespace], T]) -> T:
+        client, namespace = self._connected()
+        try:
+            return call(client, namespace)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._drop(f"{code.name}: {exc.details()}")
+            raise DaemonUnavailable(f"{code.name}: {exc.details()}") from None
+        except (OSError, ValueError) as exc:
+            self._drop(str(exc))
+            raise DaemonUnavailable(str(exc)) from exc
+
+    def connect_soon(self) -> None:
+        """Open the session in the background now, so the first real call finds it ready."""
+
+        def connect() -> None:
+            try:
+                self._session()
+            except DaemonUnavailable:
+                pass
+
+        self._executor.submit(connect)
+
+    def _connected(self) -> tuple[KVTierClient, Namespace]:
+        client = self._session()
+        with self._lock:
+            spec, namespace = self._spec, self._namespace
+        if spec is None:
+            raise DaemonUnavailable("no namespace registered yet")
+        if namespace is None:
+            try:
+                namespace = client.register(spec)
+            except grpc.RpcError as exc:
+                self._drop(f"register failed: {exc.code().name}: {exc.details()}")
+                raise DaemonUnavailable(exc.details()) from None
+            with self._lock:
+                if self._spec == spec:
+                    self._namespace = namespace
+        return client, namespace
+
+    def _session(self) -> KVTierClient:
+        client = self._client
+        if client is not None and not client.connected:
+            self._drop("session ended")
+            client = None
+        if client is None:
+            now = time.monotonic()
+            if now < self._next_attempt:
+                raise DaemonUnavailable("kvtierd unreachable; retrying shortly")
+            self._next_attempt = now + self.reconnect_interval
+            try:
+                client = KVTierClient(self.address, engine_name=self.engine_name, timeout=self.timeout).connect()
+            except (grpc.RpcError, ConnectionError, OSError) as exc:
+                if not self._down_logged:
+                    log.warning("kvtierd unreachable; serving without it (misses) and retrying", extra={"error": str(exc)})
+                    self._down_logged = True
+                raise DaemonUnavailable(str(exc)) from None
+            self._client = client
+            self._down_logged = False
+            self.connects += 1
+            log.info("connected to kvtierd", extra={"address": client.address, "session": client.state.session_id})
+        return client
+
+    def _drop(self, reason: str, expected: bool = False) -> None:
+        client, self._client = self._client, None
+        with self._lock:
+            self._namespace = None
+        if client is not None:
+            if not expected:
+                log.warning("lost kvtierd; serving without it until it is back", extra={"reason": reason})
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 (closing a broken client must not raise)
+                pass
+
+    def close(self) -> None:
+        self._executor.submit(self._drop, "engine shutting down", True).result(timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,163 @@
+"""Scheduler-side decisions: which prompt prefixes are cached, what to load and what to store.
+
+Lookups never block the scheduler: a request's first query is queued and answered "not known yet"
+(vLLM asks again next step); queued queries go to the daemon as one LookupBatch per step. Only blocks
+the daemon reported present are promised, always leaving the last prompt token to compute. A request
+whose load failed is not offered a hit again (that would loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvtier.engine.jobs import LoadJob, StepPlan, StoreJob
+from kvtier.engine.link import DaemonLink, DaemonUnavailable
+
+log = logging.getLogger("kvtier.engine")
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_timeouts: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    load_failures: int = 0
+    store_blocks_planned: int = 0
+
+
+@dataclass
+class _Request:
+    hashes: list[bytes]  # the prefix hashes a lookup covers
+    hit_blocks: int | None = None  # None while the lookup is in flight
+    asked_at: float = 0.0
+    local_blocks: int = 0  # blocks vLLM already had when the hit was taken
+    load_blocks: int = 0
+    stored_upto: int = 0  # blocks [0, stored_upto) are stored, loaded or skipped
+    failed: bool = False
+    store_limit: int = 0  # blocks eligible for storing
+
+
+@dataclass
+class PrefixPlanner:
+    link: DaemonLink
+    block_size: int
+    namespace_spec: bytes
+    offload_prompt_only: bool = True
+    lookup_wait_s: float = 1.0
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    _requests: dict[str, _Request] = field(default_factory=dict)
+    _queued: dict[str, list[bytes]] = field(default_factory=dict)
+    _in_flight: list[tuple[list[str], Future]] = field(default_factory=list)
+    _loads: list[LoadJob] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ lookups
+
+    def matched_tokens(
+        self, req_id: str, hashes: list[bytes], num_prompt_tokens: int, num_computed_tokens: int, max_offload_tokens: int | None
+    ) -> tuple[int | None, bool]:
+        """vLLM's get_num_new_matched_tokens: (tokens to load beyond num_computed_tokens, load is async)."""
+        self._collect()
+        usable = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)  # leave the last prompt token
+        local = num_computed_tokens // self.block_size
+        state = self._requests.get(req_id)
+        if state is None or (not state.failed and state.hit_blocks is not None and len(state.hashes) != usable):
+            limit = num_prompt_tokens // self.block_size if self.offload_prompt_only else 1 << 62
+            if max_offload_tokens is not None:
+                limit = min(limit, max_offload_tokens // self.block_size)
+            stored = state.stored_upto if state is not None else 0
+            state = self._requests[req_id] = _Request(hashes=list(hashes[:usable]), stored_upto=stored, store_limit=limit)
+        if state.failed or usable <= local or not self.link.available:
+            return 0, False
+        if state.hit_blocks is None:
+            if req_id not in self._queued and not any(req_id in ids for ids, _ in self._in_flight):
+                self._queued[req_id] = state.hashes
+                state.asked_at = time.monotonic()
+                return None, False
+            if time.monotonic() - state.asked_at > self.lookup_wait_s:
+                self.stats.lookup_timeouts += 1
+                state.hit_blocks = 0
+                return 0, False
+            return None, False
+        hit = min(state.hit_blocks, usable)
+        self.stats.queried_tokens += usable * self.block_size
+        if hit <= local:
+            return 0, False
+        state.local_blocks = local
+        return (hit - local) * self.block_size, True
+
+    def _collect(self) -> None:
+        """Take in lookup answers that have arrived."""
+        pending = []
+        for req_ids, future in self._in_flight:
+            if not future.done():
+                pending.append((req_ids, future))
+                continue
+            try:
+                hits = future.result()
+            except DaemonUnavailable:
+                hits = [0] * len(req_ids)
+            for req_id, hit in zip(req_ids, hits, strict=True):
+                state = self._requests.get(req_id)
+                if state is not None and state.hit_blocks is None:
+                    state.hit_blocks = hit
+                    self.stats.lookups += 1
+        self._in_flight = pending
+
+    def _flush_lookups(self) -> None:
+        if not self._queued:
+            return
+        req_ids, queries = list(self._queued), list(self._queued.values())
+        self._queued = {}
+
+        def call(client, ns):
+            return [r.hit_count for r in client.lookup_batch(ns, queries)]
+
+        self._in_flight.append((req_ids, self.link.submit(call)))
+
+    # ------------------------------------------------------------------ loads and stores
+
+    def after_alloc(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM's update_state_after_alloc: plan the load of the promised blocks."""
+        state = self._requests.get(req_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        count = num_external_tokens // self.block_size
+        first = state.local_blocks
+        state.load_blocks = count
+        state.stored_upto = max(state.stored_upto, first + count)
+        self._loads.append(LoadJob(req_id, block_ids[first : first + count], state.hashes[first : first + count]))
+        self.stats.hit_tokens += num_external_tokens
+
+    def plan_step(self, scheduled: list[tuple[str, int, list[bytes], list[int]]]) -> StepPlan:
+        """vLLM's build_connector_meta. `scheduled`: (req_id, tokens computed once this step ran,
+        the request's block hashes, its block ids) for every request in the step."""
+        self._flush_lookups()
+        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads)
+        self._loads = []
+        for req_id, computed, hashes, block_ids in scheduled:
+            state = self._requests.get(req_id)
+            if state is None or state.failed:
+                continue
+            full = min(computed // self.block_size, len(hashes), len(block_ids), state.store_limit)
+            if full > state.stored_upto:
+                plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
+                self.stats.store_blocks_planned += full - state.stored_upto
+                state.stored_upto = full
+        return plan
+
+    def on_transfers(self, loaded: set[str], failed: set[str]) -> None:
+        """vLLM's update_connector_output: remember failed loads so they are not offered again."""
+        for req_id in failed:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.failed = True
+                self.stats.load_failures += 1
+                log.warning("load from kvtierd failed; the request recomputes", extra={"request": req_id})
+
+    def finished(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._queued.pop(req_id, None)

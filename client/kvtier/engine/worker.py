@@ -1,0 +1,184 @@
+"""Worker-side transfers between the engine's KV cache and the daemon's pool (shm transport).
+
+Loads run on the link thread while the request waits (vLLM's async load): pin the blocks, copy them
+out of the pool, verify their checksums, release, then write them into the engine's blocks. Anything
+short of the full run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so vLLM
+recomputes those tokens. Stores copy the just-computed blocks out of the KV cache at the end of the
+step (so the engine may reuse the blocks at once) and reserve, write and commit them on the link
+thread; pending store copies are bounded, and beyond the bound new stores are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier import checksum
+from kvtier.client import KVTierClient
+from kvtier.engine.jobs import LoadJob, StoreJob
+from kvtier.engine.kv_blocks import LayerMajorKV
+from kvtier.engine.link import DaemonLink
+from kvtier.ops import Namespace, verified_prefix
+from kvtier.v1 import kvtier_pb2 as pb
+
+log = logging.getLogger("kvtier.engine")
+
+
+@dataclass
+class WorkerStats:
+    loaded_blocks: int = 0
+    load_failures: int = 0
+    stored_blocks: int = 0
+    store_skipped_blocks: int = 0
+    store_failures: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+
+
+class LoadFailed(Exception):
+    pass
+
+
+@dataclass
+class BlockTransfers:
+    link: DaemonLink
+    kv: LayerMajorKV | None  # None: the engine's cache layout is not supported; every load fails
+    max_pending_store_bytes: int = 512 << 20
+    tp_rank: int = 0
+    load_delay_s: float = 0.0
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    _spec: bytes = b""
+    _disabled: str = ""
+    _loads: dict[str, Future] = field(default_factory=dict)
+    _pending_store_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def configure(self, namespace_spec: bytes) -> None:
+        """Adopt the namespace the scheduler side computed (for our TP rank); refuse it if our cache's
+        geometry differs."""
+        if not namespace_spec or namespace_spec == self._spec:
+            return
+        self._spec = namespace_spec
+        if self.kv is None:
+            self._disabled = "unsupported KV cache layout"
+            return
+        try:
+            spec = pb.NamespaceSpec.FromString(namespace_spec)
+        except Exception:  # noqa: BLE001 (a bad plan disables transfers, it never raises into the engine)
+            self._disabled = "unreadable namespace spec"
+            return
+        if spec.block_bytes != self.kv.block_bytes:
+            self._disabled = f"namespace block_bytes {spec.block_bytes} != KV cache block bytes {self.kv.block_bytes}"
+            log.error("kvtier transfers disabled: cache geometry mismatch", extra={"reason": self._disabled})
+            return
+        self._disabled = ""
+        spec.tp_rank = self.tp_rank
+        self.link.set_namespace_spec(spec)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_loads(self, jobs: list[LoadJob]) -> None:
+        """Every job gets a Future, so every waiting request is answered (loaded or failed)."""
+        for job in jobs:
+            try:
+                if self._disabled or self.kv is None:
+                    raise LoadFailed(self._disabled or "no KV cache registered")
+                self._loads[job.req_id] = self.link.submit(lambda client, ns, job=job: self._load(client, ns, job))
+            except Exception as exc:  # noqa: BLE001
+                self._loads[job.req_id] = _failed_future(str(exc))
+
+    def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob) -> int:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        result = client.lookup(ns, job.hashes, pin=True)
+        try:
+            if result.hit_count < len(job.hashes):
+                raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
+            data = client.state.pool().view.read_blocks(result.page_ids, ns.block_bytes)
+        finally:
+            if result.lease_id:
+                client.release(result.lease_id)
+        if verified_prefix(data, result.checksums) < len(data):
+            raise LoadFailed("a block failed its checksum")
+        self.kv.scatter(job.block_ids, data)
+        return data.nbytes
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids; failed ones are in both."""
+        finished, failed = set(), set()
+        for req_id, future in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[req_id]
+            finished.add(req_id)
+            try:
+                loaded = future.result()
+            except Exception as exc:  # noqa: BLE001 (any failure, DaemonUnavailable or LoadFailed included, means recompute)
+                failed.add(req_id)
+                with self._lock:
+                    self.stats.load_failures += 1
+                log.warning("kvtier load failed; recomputing", extra={"request": req_id, "error": str(exc)})
+                continue
+            with self._lock:
+                self.stats.loaded_blocks += loaded // self.kv.block_bytes
+                self.stats.loaded_bytes += loaded
+        return finished, failed
+
+    # ------------------------------------------------------------------ stores
+
+    def save(self, jobs: list[StoreJob]) -> None:
+        block_ids = [b for job in jobs for b in job.block_ids]
+        hashes = [h for job in jobs for h in job.hashes]
+        if not block_ids or self._disabled or self.kv is None:
+            return
+        size = len(block_ids) * self.kv.block_bytes
+        with self._lock:
+            if self._pending_store_bytes + size > self.max_pending_store_bytes or not self.link.available:
+                self.stats.store_skipped_blocks += len(block_ids)
+                return
+            self._pending_store_bytes += size
+        data = self.kv.gather(block_ids)
+        future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, data))
+        future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
+
+    def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], data: np.ndarray) -> int:
+        reservation = client.reserve(ns, hashes)
+        if not reservation.id:
+            return 0
+        chosen = data[reservation.reserved_indices]
+        try:
+            client.state.pool().view.write_blocks(reservation.page_ids, chosen)
+        except BaseException:
+            client.abort(reservation.id)
+            raise
+        return client.commit(reservation.id, checksums=checksum.block_checksums(chosen))
+
+    def _stored(self, future: Future, size: int, blocks: int) -> None:
+        try:
+            stored, error = future.result(), None
+        except Exception as exc:  # noqa: BLE001 (a failed store only costs a future miss)
+            stored, error = 0, exc
+        with self._lock:
+            self._pending_store_bytes -= size
+            if error is not None:
+                self.stats.store_failures += blocks
+            self.stats.stored_blocks += stored
+            self.stats.stored_bytes += stored * self.kv.block_bytes
+        if error is not None:
+            log.debug("kvtier store failed", extra={"error": str(error)})
+
+    def take_stats(self) -> WorkerStats:
+        with self._lock:
+            stats, self.stats = self.stats, WorkerStats()
+        return stats
+
+
+def _failed_future(reason: str) -> Future:
+    future: Future = Future()
+    future.set_exception(LoadFailed(reason))
+    return future

@@ -1,0 +1,321 @@
+"""KVTierConnector: vLLM's KV connector for kvtierd (vLLM 0.32 and 0.33).
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "unix:///run/kvtierd/kvtierd.sock"}}'
+
+A thin adapter: the decisions live in kvtier.engine (vLLM-free). Every hook is guarded so that a
+failure inside the connector, or a daemon that is absent, slow or restarting, costs cache hits and
+never a request: lookups become misses, failed loads are reported so vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtier.engine.jobs import StepPlan
+from kvtier.engine.kv_blocks import LayerMajorKV
+from kvtier.engine.link import DaemonLink
+from kvtier.engine.scheduler import PrefixPlanner
+from kvtier.engine.worker import BlockTransfers
+from kvtier.v1 import kvtier_pb2 as pb
+
+log = logging.getLogger("kvtier.vllm")
+
+NAMESPACE_LAYOUT = "vllm-layer-major-blocks"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config` keys."""
+
+    address: str | None = None  # default: the daemon's default socket
+    offload_prompt_only: bool = True
+    timeout_s: float = 2.0  # per daemon call
+    lookup_wait_s: float = 1.0  # how long a request may wait for its lookup answer
+    reconnect_interval_s: float = 1.0
+    max_pending_store_bytes: int = 512 << 20
+    engine_name: str = ""
+    debug_load_delay_s: float = 0.0  # wait before each load (widens race windows in tests; leave 0)
+    namespace_extra: dict = field(default_factory=dict)  # added to the namespace digest
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            log.warning("unknown kv_connector_extra_config keys ignored", extra={"keys": unknown})
+        return cls(**known)
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    plan: StepPlan
+
+
+class KVTierStats(KVConnectorStats):
+    """Counters since the last report (see kvtier.engine.scheduler.SchedulerStats and worker.WorkerStats)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def guarded(default=None):
+    """A failing hook logs and returns `default` instead of raising into vLLM."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def hook(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("kvtier connector hook failed; continuing without the cache", extra={"hook": method.__name__})
+                return default() if callable(default) else default
+
+        return hook
+
+    return wrap
+
+
+def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig) -> pb.NamespaceSpec:
+    """Everything that makes this engine's KV bytes for a block hash interchangeable with another's."""
+    from vllm.v1.core import kv_cache_utils  # noqa: PLC0415 (NONE_HASH is set when the engine starts)
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvtier supports models with one KV cache group, not {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    layers = len(groups[0].layer_names)
+    page = spec.page_size_bytes
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", b"") or b""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    return pb.NamespaceSpec(
+        model_id=str(model_config.model),
+        tokens_per_block=cache_config.block_size,
+        kv_dtype=str(spec.dtype),
+        layout=f"{NAMESPACE_LAYOUT}:{getattr(kv_cache_config, 'kv_cache_layout', '') or ''}",
+        num_layers=layers,
+        num_kv_heads=getattr(spec, "num_kv_heads", 0),
+        head_size=getattr(spec, "head_size", 0),
+        block_bytes=page * layers,
+        chunk_bytes=[page] * layers,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=0,
+        hash_algorithm=str(cache_config.prefix_caching_hash_algo),
+        hash_seed=bytes(none_hash).hex(),
+        hash_bytes=len(none_hash) or 32,
+        extra={"revision": str(model_config.revision or ""), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
+    )
+
+
+def tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 (no TP group: a single worker)
+        return 0
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = ConnectorConfig.from_extra(extra)
+        self._block_size = vllm_config.cache_config.block_size
+        name = self.config.engine_name or f"vllm-{role.name.lower()}-{os.getpid()}"
+        self._link = DaemonLink(self.config.address, name, self.config.timeout_s, self.config.reconnect_interval_s)
+        self._planner: PrefixPlanner | None = None
+        self._unsupported = False
+        self._transfers: BlockTransfers | None = None
+        self._requests: dict[str, Any] = {}
+        self._failed_loads: set[str] = set()
+        self._vllm_config = vllm_config
+        self._link.connect_soon()
+        if role == KVConnectorRole.SCHEDULER:
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if policy != "recompute":
+                log.warning(
+                    "kv_load_failure_policy is %r: a failed kvtier load fails the request instead of recomputing it; "
+                    'set "kv_load_failure_policy": "recompute" in --kv-transfer-config',
+                    policy,
+                )
+
+    def _scheduler_planner(self) -> PrefixPlanner | None:
+        """Made on first use: the namespace includes vLLM's NONE_HASH, set after connectors are built."""
+        if self._planner is None and self._role == KVConnectorRole.SCHEDULER and not self._unsupported:
+            try:
+                self._planner = self._new_planner()
+            except Exception:
+                log.exception("kvtier cannot serve this engine; it runs without the cache")
+                self._unsupported = True
+        return self._planner
+
+    def _new_planner(self) -> PrefixPlanner:
+        spec = namespace_spec(self._vllm_config, self._kv_cache_config, self.config)
+        self._link.set_namespace_spec(spec)
+        return PrefixPlanner(
+            self._link,
+            self._block_size,
+            spec.SerializeToString(deterministic=True),
+            offload_prompt_only=self.config.offload_prompt_only,
+            lookup_wait_s=self.config.lookup_wait_s,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: nothing depends on a store arriving
+
+    # ------------------------------------------------------------------ scheduler side
+
+    @guarded(default=lambda: (0, False))
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        planner = self._scheduler_planner()
+        if planner is None:
+            return 0, False
+        self._requests[request.request_id] = request
+        params = getattr(request, "kv_transfer_params", None) or {}
+        max_offload = params.get("max_offload_tokens")
+        return planner.matched_tokens(
+            request.request_id,
+            request.block_hashes,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            int(max_offload) if max_offload is not None else None,
+        )
+
+    @guarded()
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self._planner is not None and num_external_tokens > 0:
+            self._planner.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    @guarded(default=lambda: KVTierMetadata(StepPlan()))
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        planner = self._scheduler_planner()
+        if planner is None:
+            return KVTierMetadata(StepPlan())
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        scheduled = []
+        for req_id, tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            if block_state is not None:
+                block_ids = block_state.get_block_ids(req_id)[0]
+            else:
+                block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
+        return KVTierMetadata(planner.plan_step(scheduled))
+
+    @guarded()
+    def update_connector_output(self, connector_output) -> None:
+        if self._planner is not None:
+            failed = getattr(connector_output, "failed_recving", None) or set()
+            self._planner.on_transfers(set(connector_output.finished_recving or ()), set(failed))
+
+    @guarded(default=lambda: (False, None))
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        if self._planner is not None:
+            self._planner.finished(request.request_id)
+        return False, None  # stores copy blocks out at the end of their step: nothing to wait for
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        try:
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: PLC0415 (0.33+)
+        except ImportError:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        try:
+            kv = LayerMajorKV(list(kv_caches.values()))
+        except Exception:
+            log.exception("kvtier cannot use this KV cache layout; the engine runs without the cache")
+            kv = None
+        self._transfers = BlockTransfers(
+            self._link, kv, self.config.max_pending_store_bytes, tensor_parallel_rank(), self.config.debug_load_delay_s
+        )
+        if kv is not None:
+            log.info("kvtier connector ready", extra={"layers": len(kv_caches), "block_bytes": kv.block_bytes})
+
+    def _plan(self) -> StepPlan | None:
+        if self._transfers is None or not self.has_connector_metadata():
+            return None
+        plan = self._get_connector_metadata().plan
+        self._transfers.configure(plan.namespace_spec)
+        return plan
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads:
+            self._transfers.start_loads(plan.loads)  # never raises: failures are reported per request
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole-request and asynchronous
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None  # stores copy whole blocks in wait_for_save
+
+    @guarded()
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None and plan.stores:
+            self._transfers.save(plan.stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._transfers is None:
+            return None, None
+        finished, failed = self._transfers.finished_loads()
+        self._failed_loads |= failed
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving = self._failed_loads & set(results.finished_recving)
+        self._failed_loads -= results.failed_recving
+        return results
+
+    # ------------------------------------------------------------------ stats and lifecycle
+
+    @guarded()
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._planner is not None:
+            stats, self._planner.stats = self._planner.stats, type(self._planner.stats)()
+        elif self._transfers is not None:
+            stats = self._transfers.take_stats()
+        else:
+            return None
+        result = KVTierStats(data=asdict(stats))
+        return None if result.is_empty() else result
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierStats(data=dict(data)) if data else None
+
+    def shutdown(self) -> None:
+        self._link.close()

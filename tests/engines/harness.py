@@ -1,0 +1,103 @@
+"""Starts real vLLM engines (engine_runner.py) as processes, and the prompts the tests share."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+BLOCK = 128  # vLLM's block size on the CPU backend
+ENGINE_TIMEOUT = 600
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(length)]
+
+
+def prompt(token_ids: list[int], cache_salt: str | None = None) -> dict:
+    return {"tokens": token_ids, "cache_salt": cache_salt}
+
+
+def engine_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass
+class Engine:
+    process: subprocess.Popen
+    result_path: Path
+    log_path: Path
+
+    def wait_for_line(self, text: str, timeout: float = ENGINE_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log():
+                return
+            if self.process.poll() is not None:
+                raise AssertionError(f"engine exited ({self.process.returncode}) before {text!r}:\n{self.log()[-6000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"engine did not print {text!r} in {timeout}s:\n{self.log()[-6000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def result(self, timeout: float = ENGINE_TIMEOUT) -> dict:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"engine did not finish in {timeout}s:\n{self.log()[-6000:]}") from None
+        assert code == 0, f"engine failed with {code}:\n{self.log()[-6000:]}"
+        return json.loads(self.result_path.read_text())
+
+
+def start_engine(
+    workdir: Path,
+    name: str,
+    model: Path,
+    phases: list[dict],
+    connector: dict | None = None,
+    multiprocess: bool = False,
+    dtype: str = "float32",
+    kv_bytes: int = 32 << 20,
+    max_tokens: int = 8,
+) -> Engine:
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "kv_bytes": kv_bytes,
+        "max_tokens": max_tokens,
+        "connector": connector,
+        "multiprocess": multiprocess,
+        "phases": phases,
+    }
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.result.json")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=engine_env(),
+        )
+    return Engine(process, workdir / f"{name}.result.json", log_path)
+
+
+def run_engine(workdir: Path, name: str, model: Path, phases: list[dict], **kwargs) -> dict:
+    return start_engine(workdir, name, model, phases, **kwargs).result()

@@ -1,0 +1,47 @@
+"""A tiny Llama-architecture model with random weights, made locally (no model hub).
+
+Several layers and grouped-query attention (4 query heads, 2 KV heads); a fixed seed makes the
+weights, and so every greedy output, reproducible.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def make_tiny_llama(path: Path, seed: int = 0, layers: int = 4) -> Path:
+    if (path / "config.json").exists():
+        return path
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # wider than the default init, so outputs depend visibly on the KV
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(path)
+    return path
+
+
+if __name__ == "__main__":
+    print(make_tiny_llama(Path(sys.argv[1]), seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -1,0 +1,182 @@
+"""The connector's vLLM-free logic against a real daemon: link, scheduler planning, worker transfers."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from blocks import chain_hashes, spec
+
+torch = pytest.importorskip("torch")
+
+from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
+from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
+from kvtier.engine.link import DaemonLink, DaemonUnavailable  # noqa: E402
+from kvtier.engine.scheduler import PrefixPlanner  # noqa: E402
+from kvtier.engine.worker import BlockTransfers  # noqa: E402
+
+BLOCK_TOKENS = 16
+LAYERS, BLOCKS, HEADS, HEAD = 3, 32, 2, 8
+
+
+def kv_cache(seed: int) -> list[torch.Tensor]:
+    """vLLM CPU layout: per layer [num_blocks, kv_heads, block_size, 2 * head_size]."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, HEADS, BLOCK_TOKENS, 2 * HEAD, generator=generator) for _ in range(LAYERS)]
+
+
+def engine_spec():
+    block_bytes = HEADS * BLOCK_TOKENS * 2 * HEAD * 4 * LAYERS
+    return spec(block_bytes=block_bytes, tokens_per_block=BLOCK_TOKENS, chunk_bytes=[block_bytes // LAYERS] * LAYERS)
+
+
+def wait(future_or_predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if future_or_predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def link(daemon):
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=2.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    yield link
+    link.close()
+
+
+def transfers(link, seed) -> tuple[BlockTransfers, list[torch.Tensor]]:
+    layers = kv_cache(seed)
+    worker = BlockTransfers(link, LayerMajorKV(layers))
+    worker.configure(engine_spec().SerializeToString(deterministic=True))
+    return worker, layers
+
+
+def drain_loads(worker: BlockTransfers) -> tuple[set[str], set[str]]:
+    done: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + 10
+    while worker._loads and time.monotonic() < deadline:
+        finished, bad = worker.finished_loads()
+        done |= finished
+        failed |= bad
+        time.sleep(0.01)
+    return done, failed
+
+
+def test_store_in_one_engine_load_in_another_is_byte_exact(link):
+    a, layers_a = transfers(link, seed=1)
+    b, layers_b = transfers(link, seed=2)
+    hashes = chain_hashes("engine", 5)
+    a.save([StoreJob("r1", [3, 7, 9], hashes[:3]), StoreJob("r2", [20, 21], hashes[3:])])
+    wait(lambda: a.stats.stored_blocks == 5)
+    b.start_loads([LoadJob("r9", [0, 1, 2, 30, 31], hashes)])
+    done, failed = drain_loads(b)
+    assert done == {"r9"} and not failed
+    for la, lb in zip(layers_a, layers_b, strict=True):
+        for src, dst in zip([3, 7, 9, 20, 21], [0, 1, 2, 30, 31], strict=True):
+            assert torch.equal(la[src], lb[dst])
+    assert b.stats.loaded_blocks == 5
+
+
+def test_loads_fail_when_blocks_are_gone_or_corrupt(link, daemon):
+    a, _ = transfers(link, seed=1)
+    b, _ = transfers(link, seed=2)
+    hashes = chain_hashes("gone", 4)
+    a.save([StoreJob("r1", [0, 1, 2, 3], hashes)])
+    wait(lambda: a.stats.stored_blocks == 4)
+    daemon.admin("DeleteBlocks", namespace=daemon.admin("ListNamespaces").namespaces[0].namespace, hashes=hashes[2])
+    b.start_loads([LoadJob("partial", [5, 6, 7, 8], hashes)])
+    assert drain_loads(b) == ({"partial"}, {"partial"})
+
+    ns = daemon.admin("ListNamespaces").namespaces[0].namespace
+    inspected = daemon.admin("InspectBlock", namespace=ns, hash=hashes[0])
+    view = link.submit(lambda client, _: client.state.pool().view).result()
+    page = int.from_bytes(inspected.page_ids[:4], "little")
+    view.pages[page, 10] ^= 1
+    b.start_loads([LoadJob("corrupt", [5, 6], hashes[:2])])
+    assert drain_loads(b) == ({"corrupt"}, {"corrupt"})
+
+
+def test_geometry_mismatch_disables_transfers_and_fails_loads(link):
+    worker = BlockTransfers(link, LayerMajorKV(kv_cache(3)[:2]))  # two layers: other block size
+    worker.configure(engine_spec().SerializeToString(deterministic=True))
+    worker.save([StoreJob("r", [0], chain_hashes("x", 1))])
+    worker.start_loads([LoadJob("r", [0], chain_hashes("x", 1))])
+    assert worker.finished_loads() == ({"r"}, {"r"})
+
+
+def planner_for(link) -> PrefixPlanner:
+    return PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(deterministic=True), lookup_wait_s=5.0)
+
+
+def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
+    worker, _ = transfers(link, seed=1)
+    hashes = chain_hashes("plan", 6)
+    worker.save([StoreJob("seed", list(range(4)), hashes[:4])])
+    wait(lambda: worker.stats.stored_blocks == 4)
+    planner = planner_for(link)
+    prompt_tokens = 6 * BLOCK_TOKENS  # the whole prompt is cached blocks: the last token must stay
+    assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (None, False)
+    assert planner.matched_tokens("r2", chain_hashes("other", 3), 3 * BLOCK_TOKENS + 5, 0, None) == (None, False)
+    planner.plan_step([])  # one LookupBatch for both requests
+    wait(lambda: planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) != (None, False))
+    assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (4 * BLOCK_TOKENS, True)
+    assert planner.matched_tokens("r1", hashes, prompt_tokens, 2 * BLOCK_TOKENS, None) == (2 * BLOCK_TOKENS, True)
+    assert planner.matched_tokens("r2", chain_hashes("other", 3), 3 * BLOCK_TOKENS + 5, 0, None) == (0, False)
+    port = daemon.admin("GetInfo").metrics_port
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'kvtierd_rpc_duration_seconds_count{method="LookupBatch"} 1.0' in metrics
+
+    assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (4 * BLOCK_TOKENS, True)  # vLLM's last ask
+    planner.after_alloc("r1", list(range(10, 16)), 4 * BLOCK_TOKENS)
+    plan = planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16)))])
+    assert [(j.block_ids, j.hashes) for j in plan.loads] == [([10, 11, 12, 13], hashes[:4])]
+    assert [(j.block_ids, j.hashes) for j in plan.stores] == [([14, 15], hashes[4:6])]  # loaded blocks are not stored again
+    planner.on_transfers({"r1"}, {"r1"})
+    assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (0, False)  # never offered again
+
+
+def test_planner_stores_prompt_blocks_only_and_honours_max_offload_tokens(link):
+    planner = planner_for(link)
+    hashes = chain_hashes("limits", 8)
+    planner.matched_tokens("r", hashes[:5], 5 * BLOCK_TOKENS + 3, 0, None)
+    plan = planner.plan_step([("r", 3 * BLOCK_TOKENS, hashes[:5], list(range(8)))])
+    assert [j.block_ids for j in plan.stores] == [[0, 1, 2]]
+    plan = planner.plan_step([("r", 8 * BLOCK_TOKENS, hashes, list(range(8)))])  # decode went on: prompt only
+    assert [j.block_ids for j in plan.stores] == [[3, 4]]
+    planner.matched_tokens("capped", hashes, 8 * BLOCK_TOKENS + 1, 0, 2 * BLOCK_TOKENS)
+    plan = planner.plan_step([("capped", 8 * BLOCK_TOKENS, hashes, list(range(8)))])
+    assert [j.block_ids for j in plan.stores] == [[0, 1]]
+
+
+def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
+    address = f"unix://{tmp_path}/absent.sock"
+    link = DaemonLink(address, "pytest", timeout=1.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailable):
+        link.submit(lambda client, ns: ns.id).result()
+    assert time.monotonic() - started < 2
+    assert not link.available  # waiting to retry: callers skip the daemon meanwhile
+    link.close()
+
+    daemon = start_daemon("--pool-size", "32MiB")
+    link = DaemonLink(daemon.address, "pytest", timeout=1.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    first = link.submit(lambda client, ns: (ns.id, client.state.pool_info.pool_id)).result()
+    daemon.stop()
+    with pytest.raises(DaemonUnavailable):
+        link.submit(lambda client, ns: client.lookup(ns, chain_hashes("x", 1))).result()
+    restarted = type(daemon)(daemon.directory, daemon.args).start()
+    try:
+        time.sleep(0.3)
+        second = link.submit(lambda client, ns: (ns.id, client.state.pool_info.pool_id)).result()
+        assert second[0] == first[0] and second[1] != first[1]  # same namespace, new pool mapped
+        assert link.connects == 2
+    finally:
+        link.close()
+        restarted.stop()
