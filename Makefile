@@ -24,9 +24,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q -rs
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/rpc.py
 	$(PY) bench/index_memory.py
 	$(PY) bench/fragmentation.py
+	$(PY) bench/e2e_ttft.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -78,3 +78,21 @@ def test_calls_need_a_live_session(daemon):
         with pytest.raises(grpc.RpcError) as err:
             stub.Lookup(pb.LookupRequest(session_id=session_id, namespace=ns.id, hashes=b"x" * 32), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_client_connects_at_once_to_a_daemon_started_after_failed_attempts(tmp_path):
+    from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
+
+    daemon = DaemonProcess(new_daemon_dir(), ["--pool-size", "16MiB"])
+    try:
+        for _ in range(3):  # gRPC would otherwise carry a growing reconnect backoff into new channels
+            with pytest.raises(ConnectionError, match="UNAVAILABLE"):
+                KVTierClient(daemon.address, timeout=1).connect()
+        daemon.start()
+        started = time.monotonic()
+        with KVTierClient(daemon.address, timeout=1) as client:
+            assert client.connected
+        assert time.monotonic() - started < 0.5
+    finally:
+        daemon.stop()
+        remove_daemon_dir(daemon.directory)

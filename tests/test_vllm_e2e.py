@@ -15,9 +15,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir  # noqa: E402
-from engines.harness import BLOCK, prompt, run_engine, start_engine, tokens  # noqa: E402
-from engines.model import make_tiny_llama  # noqa: E402
+from prompts import BLOCK, prompt, tokens  # noqa: E402
 
+from kvtier.demo.engines import run_engine, start_engine  # noqa: E402
+from kvtier.demo.tiny_model import make_tiny_llama  # noqa: E402
 from kvtier.pool_view import PoolMapping, decode_page_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -88,8 +89,8 @@ def test_engine_b_hits_engine_a_prefix_across_processes(model, workdir, baseline
     a = run_engine(workdir, "case1-a", model, [{"prompts": SHARED}], connector=connector(kvtierd))
     assert_same_outputs(SHARED, a["phases"][0], baseline)
     assert all(out["num_cached_tokens"] == 0 for out in a["phases"][0])
-    stats = kvtierd.admin("GetStats")
-    assert stats.tiers[0].blocks == sum(len(p["tokens"]) // BLOCK for p in SHARED)
+    stored = sum(len(p["tokens"]) // BLOCK for p in SHARED)
+    assert wait_for_blocks(kvtierd, stored) == stored
 
     b = run_engine(workdir, "case1-b", model, [{"prompts": SHARED}], connector=connector(kvtierd), multiprocess=True)
     assert_same_outputs(SHARED, b["phases"][0], baseline)
@@ -134,10 +135,10 @@ def test_two_engines_at_once_share_prefixes(model, workdir, baseline, kvtierd):
 def test_prefix_evicted_from_the_engine_comes_back_from_kvtierd(model, workdir, baseline, kvtierd):
     """Case 3 (the seed scenario): A, then prompts that push A out of vLLM's KV space, then A again."""
     phases = [{"prompts": [SHARED[0]]}, {"prompts": FILLERS}, {"prompts": [SHARED[0]]}]
-    small_kv = 12 * 512 << 10  # 12 blocks of 512 KiB: each filler takes 6
-    without = run_engine(workdir, "case3-without", model, phases, kv_bytes=small_kv)
+    small = {"kv_bytes": 12 * 512 << 10, "max_model_len": 1024}  # 12 blocks of 512 KiB: each filler takes 6
+    without = run_engine(workdir, "case3-without", model, phases, **small)
     assert without["phases"][2][0]["num_cached_tokens"] == 0  # evicted: recomputed
-    result = run_engine(workdir, "case3-with", model, phases, connector=connector(kvtierd), kv_bytes=small_kv)
+    result = run_engine(workdir, "case3-with", model, phases, connector=connector(kvtierd), **small)
     for phase, outputs in zip(phases, result["phases"], strict=True):
         assert_same_outputs(phase["prompts"], outputs, baseline)
     assert result["phases"][2][0]["num_cached_tokens"] == external_hit_tokens(SHARED[0])
@@ -179,6 +180,14 @@ def test_corrupt_or_deleted_blocks_are_recomputed(model, workdir, baseline, kvti
     assert "blocks gone since lookup" in d.log()
 
 
+def wait_for_blocks(daemon: DaemonProcess, count: int, timeout: float = 30) -> int:
+    """Stores land asynchronously after their step: wait for them."""
+    deadline = time.monotonic() + timeout
+    while (blocks := daemon.admin("GetStats").tiers[0].blocks) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return blocks
+
+
 def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
     """Case 5: the engine never fails a request, reconnects by itself, and hits resume after a restart."""
     directory = new_daemon_dir()
@@ -196,7 +205,7 @@ def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
         daemon.start()
         flags[0].touch()
         engine.wait_for_line("WAITING 2")
-        assert daemon.admin("GetStats").tiers[0].blocks > 0
+        assert wait_for_blocks(daemon, len(SHARED[1]["tokens"]) // BLOCK) == len(SHARED[1]["tokens"]) // BLOCK
         daemon.stop(sig=signal.SIGKILL)
         flags[1].touch()
         engine.wait_for_line("WAITING 3")
@@ -205,7 +214,8 @@ def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
         result = engine.result()
         for phase, outputs in zip(phases, result["phases"], strict=True):
             assert_same_outputs(phase["prompts"], outputs, baseline)
-        assert daemon.admin("GetStats").tiers[0].blocks == sum(len(p["tokens"]) // BLOCK for p in LATE)
+        late_blocks = sum(len(p["tokens"]) // BLOCK for p in LATE)
+        assert wait_for_blocks(daemon, late_blocks) == late_blocks
         again = run_engine(workdir, "case5-again", model, [{"prompts": LATE}], connector=connector(daemon))
         assert_same_outputs(LATE, again["phases"][0], baseline)
         assert [o["num_cached_tokens"] for o in again["phases"][0]] == [external_hit_tokens(p) for p in LATE]

@@ -24,6 +24,9 @@ def channel_options() -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # A channel of its own connects afresh: gRPC's shared subchannels would keep the reconnect
+        # backoff of an earlier failure (up to minutes) and fail new channels to a restarted daemon.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
@@ -61,8 +64,8 @@ class KVTierClient:
         except queue.Empty:
             call.cancel()
             raise ConnectionError(f"no session from kvtierd at {self.address} within {self.timeout}s") from None
-        if isinstance(event, BaseException):
-            raise event
+        if isinstance(event, grpc.RpcError):
+            raise ConnectionError(f"kvtierd at {self.address}: {event.code().name}: {event.details()}")
         self.state.session_id = event.session_id
         self.state.pool_info = event.pool
         self.state.limits = event.limits

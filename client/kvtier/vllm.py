@@ -55,7 +55,7 @@ class ConnectorConfig:
         known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
         unknown = sorted(set(extra) - set(known))
         if unknown:
-            log.warning("unknown kv_connector_extra_config keys ignored", extra={"keys": unknown})
+            log.warning("unknown kv_connector_extra_config keys ignored: %s", unknown)
         return cls(**known)
 
 
@@ -91,7 +91,7 @@ def guarded(default=None):
             try:
                 return method(self, *args, **kwargs)
             except Exception:
-                log.exception("kvtier connector hook failed; continuing without the cache", extra={"hook": method.__name__})
+                log.exception("kvtier connector hook %s failed; continuing without the cache", method.__name__)
                 return default() if callable(default) else default
 
         return hook
@@ -261,7 +261,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._link, kv, self.config.max_pending_store_bytes, tensor_parallel_rank(), self.config.debug_load_delay_s
         )
         if kv is not None:
-            log.info("kvtier connector ready", extra={"layers": len(kv_caches), "block_bytes": kv.block_bytes})
+            log.info("kvtier connector ready: %d layers, %d bytes per block", len(kv_caches), kv.block_bytes)
 
     def _plan(self) -> StepPlan | None:
         if self._transfers is None or not self.has_connector_metadata():

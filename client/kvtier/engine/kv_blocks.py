@@ -17,6 +17,8 @@ class LayerMajorKV:
     def __init__(self, layers: list[torch.Tensor]) -> None:
         if not layers:
             raise ValueError("no KV cache layers")
+        if any(layer.device.type != "cpu" for layer in layers):
+            raise ValueError("KV caches on an accelerator need the cuda_ipc transport, which this build does not have yet")
         num_blocks = layers[0].shape[0]
         self._views: list[torch.Tensor] = []
         for layer in layers:

@@ -118,13 +118,13 @@ class DaemonLink:
                 client = KVTierClient(self.address, engine_name=self.engine_name, timeout=self.timeout).connect()
             except (grpc.RpcError, ConnectionError, OSError) as exc:
                 if not self._down_logged:
-                    log.warning("kvtierd unreachable; serving without it (misses) and retrying", extra={"error": str(exc)})
+                    log.warning("kvtierd unreachable (%s); serving without it (misses) and retrying", exc)
                     self._down_logged = True
                 raise DaemonUnavailable(str(exc)) from None
             self._client = client
             self._down_logged = False
             self.connects += 1
-            log.info("connected to kvtierd", extra={"address": client.address, "session": client.state.session_id})
+            log.info("connected to kvtierd at %s (session %s)", client.address, client.state.session_id)
         return client
 
     def _drop(self, reason: str, expected: bool = False) -> None:
@@ -133,7 +133,7 @@ class DaemonLink:
             self._namespace = None
         if client is not None:
             if not expected:
-                log.warning("lost kvtierd; serving without it until it is back", extra={"reason": reason})
+                log.warning("lost kvtierd (%s); serving without it until it is back", reason)
             try:
                 client.close()
             except Exception:  # noqa: BLE001 (closing a broken client must not raise)

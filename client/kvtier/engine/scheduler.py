@@ -156,7 +156,7 @@ class PrefixPlanner:
             if state is not None:
                 state.failed = True
                 self.stats.load_failures += 1
-                log.warning("load from kvtierd failed; the request recomputes", extra={"request": req_id})
+                log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
     def finished(self, req_id: str) -> None:
         self._requests.pop(req_id, None)

@@ -74,7 +74,7 @@ class BlockTransfers:
             return
         if spec.block_bytes != self.kv.block_bytes:
             self._disabled = f"namespace block_bytes {spec.block_bytes} != KV cache block bytes {self.kv.block_bytes}"
-            log.error("kvtier transfers disabled: cache geometry mismatch", extra={"reason": self._disabled})
+            log.error("kvtier transfers disabled: %s", self._disabled)
             return
         self._disabled = ""
         spec.tp_rank = self.tp_rank
@@ -122,7 +122,7 @@ class BlockTransfers:
                 failed.add(req_id)
                 with self._lock:
                     self.stats.load_failures += 1
-                log.warning("kvtier load failed; recomputing", extra={"request": req_id, "error": str(exc)})
+                log.warning("kvtier load for request %s failed (%s); recomputing", req_id, exc)
                 continue
             with self._lock:
                 self.stats.loaded_blocks += loaded // self.kv.block_bytes
@@ -170,7 +170,7 @@ class BlockTransfers:
             self.stats.stored_blocks += stored
             self.stats.stored_bytes += stored * self.kv.block_bytes
         if error is not None:
-            log.debug("kvtier store failed", extra={"error": str(error)})
+            log.debug("kvtier store failed: %s", error)
 
     def take_stats(self) -> WorkerStats:
         with self._lock:

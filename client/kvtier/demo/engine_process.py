@@ -1,8 +1,9 @@
-"""Runs one real vLLM engine (CPU) in its own process for the end-to-end tests.
+"""Runs one real vLLM engine (CPU) in its own process, for the demo and the end-to-end tests.
 
-    python engine_runner.py SPEC.json RESULT.json
+    python -m kvtier.demo.engine_process SPEC.json RESULT.json
 
-SPEC: {"model", "dtype", "kv_bytes", "max_tokens", "connector": null | {extra config},
+SPEC: {"model", "dtype", "kv_bytes", "max_tokens", "connector": null | {kvtier extra config},
+       "kv_transfer": null | {KVTransferConfig arguments, for other connectors},
        "multiprocess": bool, "block_size": int | null,
        "phases": [{"prompts": [{"tokens": [...], "cache_salt": str | null}], "wait_for": path | null}]}
 Before each phase with "wait_for", it prints "WAITING <i>" and waits for that file to exist. After
@@ -25,7 +26,7 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm.config import KVTransferConfig  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    transfer = None
+    transfer = KVTransferConfig(**spec["kv_transfer"]) if spec.get("kv_transfer") else None
     if spec.get("connector") is not None:
         transfer = KVTransferConfig(
             kv_connector="KVTierConnector",
@@ -40,7 +41,7 @@ def main(spec_path: str, result_path: str) -> None:
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float32"),
-        max_model_len=4096,
+        max_model_len=spec.get("max_model_len", 4096),
         enforce_eager=True,
         kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
         seed=0,

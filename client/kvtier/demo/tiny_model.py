@@ -1,7 +1,7 @@
-"""A tiny Llama-architecture model with random weights, made locally (no model hub).
+"""A small Llama-architecture model with random weights, made locally (no model hub needed).
 
-Several layers and grouped-query attention (4 query heads, 2 KV heads); a fixed seed makes the
-weights, and so every greedy output, reproducible.
+Grouped-query attention, several layers; a fixed seed makes the weights, and so every greedy output,
+reproducible.
 """
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ import sys
 from pathlib import Path
 
 
-def make_tiny_llama(path: Path, seed: int = 0, layers: int = 4) -> Path:
+def make_tiny_llama(
+    path: Path, seed: int = 0, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, vocab: int = 1024
+) -> Path:
     if (path / "config.json").exists():
         return path
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (only when a model is made)
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -37,7 +39,8 @@ def make_tiny_llama(path: Path, seed: int = 0, layers: int = 4) -> Path:
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08)
-    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{seed}")
     model.save_pretrained(tmp, safe_serialization=True)
     tmp.rename(path)
     return path

@@ -1,28 +1,16 @@
-"""Starts real vLLM engines (engine_runner.py) as processes, and the prompts the tests share."""
+"""Starts real vLLM engines (kvtier.demo.engine_process) as processes and collects their results."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNNER = Path(__file__).with_name("engine_runner.py")
-BLOCK = 128  # vLLM's block size on the CPU backend
 ENGINE_TIMEOUT = 600
-
-
-def tokens(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(length)]
-
-
-def prompt(token_ids: list[int], cache_salt: str | None = None) -> dict:
-    return {"tokens": token_ids, "cache_salt": cache_salt}
 
 
 def engine_env() -> dict[str, str]:
@@ -72,17 +60,21 @@ def start_engine(
     model: Path,
     phases: list[dict],
     connector: dict | None = None,
+    kv_transfer: dict | None = None,
     multiprocess: bool = False,
     dtype: str = "float32",
     kv_bytes: int = 32 << 20,
     max_tokens: int = 8,
+    max_model_len: int = 4096,
 ) -> Engine:
     spec = {
         "model": str(model),
         "dtype": dtype,
         "kv_bytes": kv_bytes,
         "max_tokens": max_tokens,
+        "max_model_len": max_model_len,
         "connector": connector,
+        "kv_transfer": kv_transfer,
         "multiprocess": multiprocess,
         "phases": phases,
     }
@@ -91,7 +83,7 @@ def start_engine(
     log_path = workdir / f"{name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, str(RUNNER), str(spec_path), str(workdir / f"{name}.result.json")],
+            [sys.executable, "-m", "kvtier.demo.engine_process", str(spec_path), str(workdir / f"{name}.result.json")],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=engine_env(),

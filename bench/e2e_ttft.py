@@ -1,0 +1,131 @@
+"""Time to first token with real vLLM (CPU build), in one run, for six scenarios:
+
+  a  cold: a prompt the engine never saw
+  b  the engine's own prefix-cache hit
+  c  after the prefix was evicted from the engine, with kvtierd (it comes back from the daemon)
+  d  the same eviction without any connector (recomputed)
+  e  engine B (a new process) hitting engine A's prefix through kvtierd
+  f  the same through vLLM's ExampleConnector (safetensors files on disk)
+
+Each value is the median over ROUNDS prompts of PROMPT_TOKENS tokens, one request at a time
+(max_tokens=1, so the request time is the time to first token). Writes bench/results/e2e_ttft.json
+and bench/results/e2e_ttft.png. Usage: python bench/e2e_ttft.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, start_daemon, stop_daemon, write_result  # isort: skip
+
+from kvtier.demo.engines import run_engine  # noqa: E402
+from kvtier.demo.tiny_model import make_tiny_llama  # noqa: E402
+
+PROMPT_TOKENS = 2000
+MODEL = Path.home() / ".cache" / "kvtierd" / "bench-llama-8l-512"
+# 8 layers x 4 KV heads x 64 x K,V x fp32 = 16 KiB per token: a 2000-token prompt takes 32 MiB of KV.
+SMALL_KV = {"kv_bytes": 80 << 20, "max_model_len": 2560}  # room for two prompts: the fillers push the first out
+LARGE_KV = {"kv_bytes": 512 << 20, "max_model_len": 2560}
+
+
+def prompt(seed: int) -> dict:
+    rng = random.Random(seed)
+    return {"tokens": [rng.randrange(3, 2048) for _ in range(PROMPT_TOKENS)]}
+
+
+def ttfts(result: dict, phase_indices: list[int], request: int = 0) -> list[float]:
+    return [result["phases"][i][request]["seconds"] * 1000 for i in phase_indices]
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+    model = make_tiny_llama(MODEL, seed=0, layers=8, hidden=512, heads=8, kv_heads=4, vocab=2048)
+    work = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
+    prompts = [prompt(1000 + i) for i in range(rounds)]
+    fillers = [prompt(2000 + i) for i in range(2)]
+    common = {"max_tokens": 1}
+
+    # a, b: one engine without a connector; every prompt twice
+    base = run_engine(work, "ab", model, [{"prompts": prompts}, {"prompts": prompts}], **LARGE_KV, **common)
+    cold = [out["seconds"] * 1000 for out in base["phases"][0]]
+    local = [out["seconds"] * 1000 for out in base["phases"][1]]
+
+    # c, d: prompt, fillers that evict it, the prompt again (its third phase) in each round
+    evict_phases = [phase for p in prompts for phase in ({"prompts": [p]}, {"prompts": fillers}, {"prompts": [p]})]
+    again = [3 * i + 2 for i in range(rounds)]
+    no_connector = run_engine(work, "d", model, evict_phases, **SMALL_KV, **common)
+
+    daemon = start_daemon("--pool-size", "2GiB", "--log-level", "warning")
+    try:
+        kvtier = {"connector": {"address": daemon.address}}
+        with_kvtierd = run_engine(work, "c", model, evict_phases, **SMALL_KV, **common, **kvtier)
+        # e: engine A computes and stores, engine B (a new process) loads
+        run_engine(work, "e-a", model, [{"prompts": prompts}], **LARGE_KV, **common, **kvtier)
+        cross = run_engine(work, "e-b", model, [{"prompts": prompts}], **LARGE_KV, **common, **kvtier)
+        hits = [out["num_cached_tokens"] for out in cross["phases"][0]]
+    finally:
+        stop_daemon(daemon)
+
+    # f: vLLM's ExampleConnector, engine A saves to disk, engine B loads
+    example = {
+        "kv_transfer": {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(work / "example-connector")},
+        }
+    }
+    run_engine(work, "f-a", model, [{"prompts": prompts}], **LARGE_KV, **common, **example)
+    disk = run_engine(work, "f-b", model, [{"prompts": prompts}], **LARGE_KV, **common, **example)
+
+    scenarios = {
+        "a_cold_ms": cold,
+        "b_local_prefix_hit_ms": local,
+        "c_after_eviction_kvtierd_ms": ttfts(with_kvtierd, again),
+        "d_after_eviction_recompute_ms": ttfts(no_connector, again),
+        "e_cross_engine_kvtierd_ms": [out["seconds"] * 1000 for out in cross["phases"][0]],
+        "f_cross_engine_example_connector_ms": [out["seconds"] * 1000 for out in disk["phases"][0]],
+    }
+    medians = {name: statistics.median(values) for name, values in scenarios.items()}
+    result = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "rounds": rounds,
+        "model": "Llama architecture, 8 layers, hidden 512, 8 heads / 4 KV heads, fp32, random weights",
+        **medians,
+        "kvtierd_vs_recompute": medians["e_cross_engine_kvtierd_ms"] / medians["d_after_eviction_recompute_ms"],
+        "kvtierd_vs_example_connector": medians["e_cross_engine_kvtierd_ms"] / medians["f_cross_engine_example_connector_ms"],
+        "evicted_prefix_kvtierd_vs_recompute": medians["c_after_eviction_kvtierd_ms"] / medians["d_after_eviction_recompute_ms"],
+        "cross_engine_cached_tokens": hits,
+        "samples_ms": scenarios,
+    }
+    command = "python bench/e2e_ttft.py" + (f" --rounds {rounds}" if rounds != 5 else "")
+    path = write_result("e2e_ttft", result, command)
+    plot(medians, RESULTS / "e2e_ttft.png")
+    for key, value in result.items():
+        if key != "samples_ms":
+            print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"wrote {path}")
+
+
+def plot(medians: dict[str, float], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = ["a cold", "b local hit", "c evicted,\nkvtierd", "d evicted,\nrecompute", "e engine B\nvia kvtierd", "f engine B\nvia ExampleConnector"]
+    colors = ["#999999", "#666666", "#2a7ab9", "#c0504d", "#2a7ab9", "#e39d3a"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.bar(labels, list(medians.values()), color=colors)
+    ax.bar_label(bars, fmt="%.0f ms")
+    ax.set_ylabel(f"time to first token, ms (median, {PROMPT_TOKENS}-token prompts)")
+    ax.set_title("vLLM CPU, one request at a time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
