@@ -111,7 +111,8 @@ def test_kvtierctl_json_and_tables(populated):
     listing = json.loads(ctl(daemon, "blocks", "--namespace", ns_a.id, "--order", "hits", "--limit", "2", "--json").stdout)
     assert listing["blocks"][0]["hash"] == hashes_a[0].hex() and listing["next_page_token"] == "2"
     assert "next page: --page-token 2" in ctl(daemon, "blocks", "--namespace", ns_a.id, "--limit", "2").stdout
-    assert "checksum (xxh3-64)" in ctl(daemon, "inspect", ns_a.id, hashes_a[0].hex()).stdout
+    inspected = ctl(daemon, "inspect", ns_a.id, hashes_a[0].hex()).stdout
+    assert "checksum (xxh3-64)" in inspected and "intact" in inspected
     assert ctl(daemon, "delete", ns_a.id, hashes_a[5].hex()).stdout.strip() == "deleted 1 blocks"
     assert ctl(daemon, "clear", "--all").stdout.strip() == "deleted 8 blocks"
     assert ctl(daemon, "health").stdout.strip() == "SERVING"

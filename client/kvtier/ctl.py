@@ -113,9 +113,11 @@ def show_blocks(r: pb.ListBlocksResponse) -> str:
 
 
 def show_inspect(r: pb.InspectBlockResponse) -> str:
+    verdict = "no checksum stored" if not r.stored_checksum else ("intact" if r.checksum == r.stored_checksum else "CORRUPT")
     return (
         table(_BLOCK_HEADERS, _block_rows([r.block]))
-        + f"\n\nchecksum (xxh3-64): {r.checksum_xxh3}\ncreated: {_when(r.block.created_at)}"
+        + f"\n\nchecksum (xxh3-64): {r.checksum_xxh3}\nkvtier checksum: {r.checksum:016x} "
+        + f"(stored {r.stored_checksum:016x}: {verdict})\ncreated: {_when(r.block.created_at)}"
     )
 
 
