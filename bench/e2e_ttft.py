@@ -116,7 +116,14 @@ def plot(medians: dict[str, float], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    labels = ["a cold", "b local hit", "c evicted,\nkvtierd", "d evicted,\nrecompute", "e engine B\nvia kvtierd", "f engine B\nvia ExampleConnector"]
+    labels = [
+        "a cold",
+        "b local hit",
+        "c evicted,\nkvtierd",
+        "d evicted,\nrecompute",
+        "e engine B\nvia kvtierd",
+        "f engine B\nvia ExampleConnector",
+    ]
     colors = ["#999999", "#666666", "#2a7ab9", "#c0504d", "#2a7ab9", "#e39d3a"]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = ax.bar(labels, list(medians.values()), color=colors)
