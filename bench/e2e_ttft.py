@@ -8,7 +8,9 @@
   f  the same through vLLM's ExampleConnector (safetensors files on disk)
 
 Each value is the median over ROUNDS prompts of PROMPT_TOKENS tokens, one request at a time
-(max_tokens=1, so the request time is the time to first token). Writes bench/results/e2e_ttft.json
+(max_tokens=1, so the request time is the time to first token). Engines run in vLLM's default
+multiprocess mode (in-process mode shares one GIL between the engine's busy loop and the
+connector's transfer thread, which slows every background copy). Writes bench/results/e2e_ttft.json
 and bench/results/e2e_ttft.png. Usage: python bench/e2e_ttft.py [--rounds N]
 """
 
@@ -47,7 +49,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
     prompts = [prompt(1000 + i) for i in range(rounds)]
     fillers = [prompt(2000 + i) for i in range(2)]
-    common = {"max_tokens": 1}
+    common = {"max_tokens": 1, "multiprocess": True}
 
     # a, b: one engine without a connector; every prompt twice
     base = run_engine(work, "ab", model, [{"prompts": prompts}, {"prompts": prompts}], **LARGE_KV, **common)

@@ -72,6 +72,13 @@ class PoolMapping:
             os.close(fd)
         self.view = PageView(self._mmap, page_size)
 
+    def populate(self) -> None:
+        """Map every page now (MADV_POPULATE_WRITE), so copies later take no page faults."""
+        try:
+            self._mmap.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        except (OSError, ValueError):
+            pass  # older kernels: pages fault in on first use instead
+
     def close(self) -> None:
         self.view = None  # type: ignore[assignment]
         try:

@@ -244,7 +244,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         try:
-            from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: PLC0415 (0.33+)
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: PLC0415 (absent in older vLLM)
         except ImportError:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}

@@ -1,16 +1,22 @@
-"""An engine's KV cache seen as whole blocks.
+"""An engine's KV cache seen as whole blocks, and its copies to and from the pool.
 
 Covers the layouts where every layer is its own tensor whose first dimension is the block id and each
 block of a layer is one contiguous run (vLLM's CPU backend: `[num_blocks, kv_heads, block_size,
 2 * head_size]`, K rows then V rows per head). A pool block is the concatenation of the block's bytes
-in every layer, in layer order; copies move whole blocks with one index_select / index_copy_ per layer
-and never slice per token.
+in every layer, in layer order. Copies move whole blocks, one numpy gather or scatter per layer and
+direction (numpy views of the KV tensors; torch's index_copy_ is several times slower on the CPU),
+and never slice per token. When every layer's bytes fill whole pool pages, a layer is
+copied straight between its KV tensor and its pages; otherwise blocks pass through a contiguous
+staging buffer.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from kvtier import checksum
+from kvtier.pool_view import PageView
 
 
 class LayerMajorKV:
@@ -20,25 +26,55 @@ class LayerMajorKV:
         if any(layer.device.type != "cpu" for layer in layers):
             raise ValueError("KV caches on an accelerator need the cuda_ipc transport, which this build does not have yet")
         num_blocks = layers[0].shape[0]
-        self._views: list[torch.Tensor] = []
+        self._views: list[np.ndarray] = []
         for layer in layers:
             if layer.shape[0] != num_blocks or not layer.is_contiguous():
                 raise ValueError(f"unsupported KV layout: shape {tuple(layer.shape)}, strides {layer.stride()}")
-            self._views.append(layer.view(torch.uint8).reshape(num_blocks, -1))
+            self._views.append(layer.view(torch.uint8).reshape(num_blocks, -1).numpy())
         self.num_blocks = num_blocks
         self.chunk_bytes = [v.shape[1] for v in self._views]
         self.block_bytes = sum(self.chunk_bytes)
+        self._offsets = np.cumsum([0, *self.chunk_bytes[:-1]]).tolist()
 
-    def gather(self, block_ids: list[int]) -> np.ndarray:
-        """A copy of the blocks' bytes, [n, block_bytes] uint8."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        return torch.cat([v.index_select(0, index) for v in self._views], dim=1).numpy()
+    def snapshot(self, block_ids: list[int]) -> list[np.ndarray]:
+        """A copy of the blocks, one [n, chunk_bytes] uint8 array per layer (so the engine may reuse them)."""
+        index = np.asarray(block_ids, dtype=np.int64)
+        return [view[index] for view in self._views]
 
-    def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
-        """Write blocks' bytes [n, block_bytes] into the cache."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        source = torch.from_numpy(np.ascontiguousarray(data))
-        offset = 0
-        for view, size in zip(self._views, self.chunk_bytes, strict=True):
-            view.index_copy_(0, index, source[:, offset : offset + size])
-            offset += size
+    def _page_aligned(self, page_size: int) -> bool:
+        return all(size % page_size == 0 for size in self.chunk_bytes)
+
+    def _layer_pages(self, page_ids: np.ndarray, layer: int, page_size: int) -> np.ndarray:
+        first = self._offsets[layer] // page_size
+        return page_ids[:, first : first + self.chunk_bytes[layer] // page_size]
+
+    def write_pool(self, view: PageView, page_ids: np.ndarray, layers: list[np.ndarray]) -> np.ndarray:
+        """Write snapshot rows into the pool blocks `page_ids` [n, pages_per_block]; their checksums."""
+        page_size = view.page_size
+        if not self._page_aligned(page_size):
+            blocks = np.concatenate(layers, axis=1)
+            view.write_blocks(page_ids, blocks)
+            return checksum.block_checksums(blocks)
+        parts = []
+        for layer, rows in enumerate(layers):
+            pages = self._layer_pages(page_ids, layer, page_size)
+            view.pages[pages] = rows.reshape(*pages.shape, page_size)
+            parts.append(checksum.chunk_sums(rows, self._offsets[layer]))
+        return checksum.combine(parts)
+
+    def read_pool(self, view: PageView, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
+        """Copy pool blocks `page_ids` into the engine blocks `block_ids`; the checksums of what was copied."""
+        index = np.asarray(block_ids, dtype=np.int64)
+        page_size = view.page_size
+        if not self._page_aligned(page_size):
+            blocks = view.read_blocks(page_ids, self.block_bytes)
+            for layer, target in enumerate(self._views):
+                start = self._offsets[layer]
+                target[index] = blocks[:, start : start + self.chunk_bytes[layer]]
+            return checksum.block_checksums(blocks)
+        parts = []
+        for layer, target in enumerate(self._views):
+            rows = np.take(view.pages, self._layer_pages(page_ids, layer, page_size).ravel(), axis=0).reshape(len(index), -1)
+            target[index] = rows
+            parts.append(checksum.chunk_sums(rows, self._offsets[layer]))
+        return checksum.combine(parts)

@@ -81,8 +81,8 @@ class DaemonLink:
 
         def connect() -> None:
             try:
-                self._session()
-            except DaemonUnavailable:
+                self._session().state.pool().populate()
+            except (DaemonUnavailable, OSError):
                 pass
 
         self._executor.submit(connect)

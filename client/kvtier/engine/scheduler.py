@@ -83,7 +83,6 @@ class PrefixPlanner:
                 return 0, False
             return None, False
         hit = min(state.hit_blocks, usable)
-        self.stats.queried_tokens += usable * self.block_size
         if hit <= local:
             return 0, False
         state.local_blocks = local
@@ -105,6 +104,7 @@ class PrefixPlanner:
                 if state is not None and state.hit_blocks is None:
                     state.hit_blocks = hit
                     self.stats.lookups += 1
+                    self.stats.queried_tokens += len(state.hashes) * self.block_size
         self._in_flight = pending
 
     def _flush_lookups(self) -> None:

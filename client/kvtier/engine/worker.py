@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier import checksum
 from kvtier.client import KVTierClient
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.kv_blocks import LayerMajorKV
 from kvtier.engine.link import DaemonLink
-from kvtier.ops import Namespace, verified_prefix
+from kvtier.ops import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.engine")
@@ -93,20 +92,20 @@ class BlockTransfers:
                 self._loads[job.req_id] = _failed_future(str(exc))
 
     def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob) -> int:
+        """Copy the blocks into the engine's blocks, then check them; on failure vLLM recomputes them."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         result = client.lookup(ns, job.hashes, pin=True)
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
-            data = client.state.pool().view.read_blocks(result.page_ids, ns.block_bytes)
+            copied = self.kv.read_pool(client.state.pool().view, result.page_ids, job.block_ids)
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
-        if verified_prefix(data, result.checksums) < len(data):
+        if ((result.checksums != 0) & (copied != result.checksums)).any():
             raise LoadFailed("a block failed its checksum")
-        self.kv.scatter(job.block_ids, data)
-        return data.nbytes
+        return len(job.block_ids) * ns.block_bytes
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids; failed ones are in both."""
@@ -142,21 +141,23 @@ class BlockTransfers:
                 self.stats.store_skipped_blocks += len(block_ids)
                 return
             self._pending_store_bytes += size
-        data = self.kv.gather(block_ids)
-        future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, data))
+        layers = self.kv.snapshot(block_ids)
+        future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
-    def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], data: np.ndarray) -> int:
+    def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], layers: list[np.ndarray]) -> int:
         reservation = client.reserve(ns, hashes)
         if not reservation.id:
             return 0
-        chosen = data[reservation.reserved_indices]
+        chosen = reservation.reserved_indices
+        if len(chosen) < len(hashes):
+            layers = [rows[chosen] for rows in layers]
         try:
-            client.state.pool().view.write_blocks(reservation.page_ids, chosen)
+            sums = self.kv.write_pool(client.state.pool().view, reservation.page_ids, layers)
         except BaseException:
             client.abort(reservation.id)
             raise
-        return client.commit(reservation.id, checksums=checksum.block_checksums(chosen))
+        return client.commit(reservation.id, checksums=sums)
 
     def _stored(self, future: Future, size: int, blocks: int) -> None:
         try:
