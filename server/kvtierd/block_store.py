@@ -218,7 +218,8 @@ class BlockStore:
 
     def lookup(self, session_id: str, ns: Namespace, hashes: list[bytes], pin: bool) -> tuple[int, Lease | None]:
         """Count the leading hashes that are committed; with `pin`, pin them under a new lease."""
-        hashes = _until_repeat(hashes)
+        if pin:  # a lease pins each block once
+            hashes = _until_repeat(hashes)
         hit: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, hashes)))
         counters = ns.counters
         counters.lookups += 1
