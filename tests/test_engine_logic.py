@@ -180,3 +180,16 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
     finally:
         link.close()
         restarted.stop()
+
+
+def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_reported(link):
+    planner = planner_for(link)
+    hashes = chain_hashes("abort", 3)
+    planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None)
+    planner._requests["r"].hit_blocks = 3  # as if the lookup had answered
+    assert planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None) == (3 * BLOCK_TOKENS, True)
+    planner.after_alloc("r", [7, 8, 9], 3 * BLOCK_TOKENS)
+    assert planner.finished("r") is True  # aborted while loading: vLLM must not reuse blocks 7-9 yet
+    planner.on_transfers({"r"}, set())
+    assert planner.finished("r") is False
+    assert planner.finished("never-loaded") is False

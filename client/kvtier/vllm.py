@@ -238,9 +238,9 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded(default=lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        if self._planner is not None:
-            self._planner.finished(request.request_id)
-        return False, None  # stores copy blocks out at the end of their step: nothing to wait for
+        # Stores copy blocks out at the end of their step, so only an unfinished load delays the free.
+        loading = self._planner is not None and self._planner.finished(request.request_id)
+        return loading, None
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         try:

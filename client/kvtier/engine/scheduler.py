@@ -53,6 +53,7 @@ class PrefixPlanner:
     _queued: dict[str, list[bytes]] = field(default_factory=dict)
     _in_flight: list[tuple[list[str], Future]] = field(default_factory=list)
     _loads: list[LoadJob] = field(default_factory=list)
+    _loading: set[str] = field(default_factory=set)  # requests whose load the workers have not reported
 
     # ------------------------------------------------------------------ lookups
 
@@ -130,6 +131,7 @@ class PrefixPlanner:
         state.load_blocks = count
         state.stored_upto = max(state.stored_upto, first + count)
         self._loads.append(LoadJob(req_id, block_ids[first : first + count], state.hashes[first : first + count]))
+        self._loading.add(req_id)
         self.stats.hit_tokens += num_external_tokens
 
     def plan_step(self, scheduled: list[tuple[str, int, list[bytes], list[int]]]) -> StepPlan:
@@ -151,6 +153,7 @@ class PrefixPlanner:
 
     def on_transfers(self, loaded: set[str], failed: set[str]) -> None:
         """vLLM's update_connector_output: remember failed loads so they are not offered again."""
+        self._loading -= loaded
         for req_id in failed:
             state = self._requests.get(req_id)
             if state is not None:
@@ -158,6 +161,9 @@ class PrefixPlanner:
                 self.stats.load_failures += 1
                 log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> bool:
+        """vLLM's request_finished: True while a load still writes into the request's blocks, so vLLM
+        keeps them until the workers report that load (and then frees them)."""
         self._requests.pop(req_id, None)
         self._queued.pop(req_id, None)
+        return req_id in self._loading
