@@ -118,7 +118,6 @@ class ReserveResult:
 
 @dataclass
 class PoolUsage:
-    total_pages: int
     used_pages: int
     committed_pages: int
     reserved_pages: int
@@ -458,7 +457,6 @@ class BlockStore:
     def usage(self) -> PoolUsage:
         committed = sum(len(ns.blocks) * ns.pages_per_block for ns in self.namespaces.values())
         return PoolUsage(
-            total_pages=self.pages.size,
             used_pages=self.pages.used,
             committed_pages=committed,
             reserved_pages=self._reserved_pages,
