@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvtier.engine.jobs import LoadJob, StepPlan, StoreJob
-from kvtier.engine.link import DaemonLink, DaemonUnavailable
+from kvtier.engine.link import DaemonLink
 
 log = logging.getLogger("kvtier.engine")
 
@@ -98,7 +98,7 @@ class PrefixPlanner:
                 continue
             try:
                 hits = future.result()
-            except DaemonUnavailable:
+            except Exception:  # noqa: BLE001 (DaemonUnavailable or anything else: those requests miss)
                 hits = [0] * len(req_ids)
             for req_id, hit in zip(req_ids, hits, strict=True):
                 state = self._requests.get(req_id)
