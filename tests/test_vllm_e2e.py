@@ -70,7 +70,8 @@ def kvtierd():
 
 
 def connector(daemon: DaemonProcess, **extra) -> dict:
-    return {"address": daemon.address, **extra}
+    # A generous lookup wait: on a busy 2-core machine a late answer must not turn a hit into a miss.
+    return {"address": daemon.address, "lookup_wait_s": 20.0, **extra}
 
 
 def assert_same_outputs(prompts: list[dict], outputs: list[dict], baseline) -> None:
