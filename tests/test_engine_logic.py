@@ -183,10 +183,14 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
 
 
 def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_reported(link):
-    planner = planner_for(link)
+    worker, _ = transfers(link, seed=1)
     hashes = chain_hashes("abort", 3)
-    planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None)
-    planner._requests["r"].hit_blocks = 3  # as if the lookup had answered
+    worker.save([StoreJob("seed", [0, 1, 2], hashes)])
+    wait(lambda: worker.stats.stored_blocks == 3)
+    planner = planner_for(link)
+    assert planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None) == (None, False)
+    planner.plan_step([])
+    wait(lambda: planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None) != (None, False))
     assert planner.matched_tokens("r", hashes, 3 * BLOCK_TOKENS + 1, 0, None) == (3 * BLOCK_TOKENS, True)
     planner.after_alloc("r", [7, 8, 9], 3 * BLOCK_TOKENS)
     assert planner.finished("r") is True  # aborted while loading: vLLM must not reuse blocks 7-9 yet

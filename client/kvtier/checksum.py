@@ -56,6 +56,11 @@ def block_checksums(blocks: np.ndarray) -> np.ndarray:
     return combine([chunk_sums(blocks)])
 
 
+def mismatched(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Per block: the stored checksum is known (not 0) and differs from the bytes' checksum."""
+    return (expected != 0) & (actual != expected)
+
+
 def encode(checksums: np.ndarray) -> bytes:
     return np.asarray(checksums, dtype="<u8").tobytes()
 

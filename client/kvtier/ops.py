@@ -45,7 +45,7 @@ def verified_prefix(blocks: np.ndarray, expected: np.ndarray) -> int:
     """How many leading blocks match their stored checksums (0 = unknown counts as a match)."""
     if len(blocks) == 0:
         return 0
-    bad = (expected != 0) & (checksum.block_checksums(blocks) != expected)
+    bad = checksum.mismatched(checksum.block_checksums(blocks), expected)
     return int(np.argmax(bad)) if bad.any() else len(blocks)
 
 

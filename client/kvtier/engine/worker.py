@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier import checksum
 from kvtier.client import KVTierClient
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.kv_blocks import LayerMajorKV
@@ -103,7 +104,7 @@ class BlockTransfers:
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
-        if ((result.checksums != 0) & (copied != result.checksums)).any():
+        if checksum.mismatched(copied, result.checksums).any():
             raise LoadFailed("a block failed its checksum")
         return len(job.block_ids) * ns.block_bytes
 
