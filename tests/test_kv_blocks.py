@@ -6,14 +6,17 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier.checksum import block_checksums  # noqa: E402
+from kvtier.engine import kv_blocks  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
 from kvtier.pool_view import PageView  # noqa: E402
 
 PAGE = 4096
 
 
+@pytest.mark.parametrize("piece_bytes", [2 << 20, 1])  # 1: loads copy one block per piece
 @pytest.mark.parametrize("head_size", [32, 20])  # 32: every layer fills whole pages; 20: staging path
-def test_round_trip_through_pages(head_size):
+def test_round_trip_through_pages(head_size, piece_bytes, monkeypatch):
+    monkeypatch.setattr(kv_blocks, "CACHE_CHUNK_BYTES", piece_bytes)
     generator = torch.Generator().manual_seed(0)
     source = [torch.randn(16, 2, 32, 2 * head_size, generator=generator) for _ in range(3)]
     target = [torch.zeros_like(layer) for layer in source]

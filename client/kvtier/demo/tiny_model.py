@@ -11,8 +11,16 @@ from pathlib import Path
 
 
 def make_tiny_llama(
-    path: Path, seed: int = 0, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2, vocab: int = 1024
+    path: Path,
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1024,
+    head_dim: int | None = None,
 ) -> Path:
+    """`head_dim` defaults to hidden // heads; a larger one gives more KV bytes per token for the compute."""
     if (path / "config.json").exists():
         return path
     import torch  # noqa: PLC0415 (only when a model is made)
@@ -26,6 +34,7 @@ def make_tiny_llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
