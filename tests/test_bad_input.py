@@ -70,9 +70,14 @@ def test_bad_inputs(env):
         (grpc.StatusCode.NOT_FOUND, "never made", lambda: call(owner, "Commit", reservation_id=987654)),
         # transports
         (
-            grpc.StatusCode.UNIMPLEMENTED,
-            "CUDA_IPC",
+            grpc.StatusCode.NOT_FOUND,
+            "cuda registration",
             lambda: call(owner, "Load", namespace=ns.id, hashes=h[0], transport=pb.TRANSPORT_CUDA_IPC),
+        ),
+        (
+            grpc.StatusCode.NOT_FOUND,
+            "cuda registration",
+            lambda: call(owner, "Reserve", namespace=ns.id, hashes=h[0], transport=pb.TRANSPORT_CUDA_IPC),
         ),
         (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
         # release of an unknown lease
@@ -157,7 +162,6 @@ def test_bad_inputs(env):
         "OUT_OF_RANGE",
         "PERMISSION_DENIED",
         "FAILED_PRECONDITION",
-        "UNIMPLEMENTED",
     ):
         assert "request refused method=" in log and f"code={code}" in log, code
     assert np.array_equal(owner.load(ns, h[:2]), contents(h[:2], 10_000))

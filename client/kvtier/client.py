@@ -118,8 +118,8 @@ class KVTierClient:
 
     # ------------------------------------------------------------------ data plane
 
-    def register(self, spec: pb.NamespaceSpec) -> ops.Namespace:
-        return self._run(ops.register(self.state, spec))
+    def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> ops.Namespace:
+        return self._run(ops.register(self.state, spec, cuda_kv))
 
     def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
         return self._run(ops.lookup(self.state, ns, hashes, pin))
@@ -136,6 +136,12 @@ class KVTierClient:
         self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes = b"", lease_id: int = 0, transport: str = "shm"
     ) -> np.ndarray:
         return self._run(ops.load(self.state, ns, hashes, lease_id, transport))
+
+    def load_cuda(self, ns: ops.Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0) -> int:
+        return self._run(ops.load_cuda(self.state, ns, device_block_ids, hashes, lease_id))
+
+    def store_cuda(self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int]) -> int:
+        return self._run(ops.store_cuda(self.state, ns, hashes, device_block_ids))
 
     def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:
         return self._run(ops.reserve(self.state, ns, hashes))

@@ -27,6 +27,8 @@ class Namespace:
     spec: pb.NamespaceSpec
     block_bytes: int
     pages_per_block: int
+    cuda_registration: str = ""  # set when the daemon accepted the session's GPU KV cache (TRANSPORT_CUDA_IPC)
+    cuda_refused: str = ""  # why it did not
 
     @property
     def hash_bytes(self) -> int:
@@ -90,9 +92,17 @@ def join_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
     return hashes if isinstance(hashes, (bytes, bytearray)) else b"".join(hashes)
 
 
-def register(state: SessionState, spec: pb.NamespaceSpec) -> Op:
-    response = yield "Register", pb.RegisterRequest(session_id=state.session_id, spec=spec)
-    return Namespace(response.namespace, spec, response.block_bytes, response.pages_per_block)
+def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> Op:
+    request = pb.RegisterRequest(session_id=state.session_id, spec=spec, cuda_kv=cuda_kv)
+    response = yield "Register", request
+    return Namespace(
+        response.namespace,
+        spec,
+        response.block_bytes,
+        response.pages_per_block,
+        response.cuda_registration,
+        response.cuda_refused,
+    )
 
 
 def _lookup_result(response: pb.LookupResponse, ns: Namespace) -> LookupResult:
@@ -142,6 +152,35 @@ def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, tran
         finally:
             yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=response.lease_id)
     return blocks[: verified_prefix(blocks, checksum.decode(response.checksums))]
+
+
+def load_cuda(state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0) -> Op:
+    """The daemon copies the leading present blocks into the engine's GPU blocks `device_block_ids`
+    (in order) and checks them; returns how many. A checksum failure raises grpc DATA_LOSS."""
+    request = pb.LoadRequest(
+        session_id=state.session_id,
+        namespace=ns.id,
+        hashes=join_hashes(hashes),
+        lease_id=lease_id,
+        transport=pb.TRANSPORT_CUDA_IPC,
+        cuda_ipc=pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids),
+    )
+    response = yield "Load", request
+    return response.block_count
+
+
+def store_cuda(state: SessionState, ns: Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int]) -> Op:
+    """The daemon copies the engine's GPU blocks into the pool (after the engine's ready event) and
+    commits them; returns how many were newly committed."""
+    request = pb.ReserveRequest(
+        session_id=state.session_id,
+        namespace=ns.id,
+        hashes=join_hashes(hashes),
+        transport=pb.TRANSPORT_CUDA_IPC,
+        cuda_ipc=pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids),
+    )
+    response = yield "Reserve", request
+    return response.committed_count
 
 
 def reserve(state: SessionState, ns: Namespace, hashes) -> Op:

@@ -48,6 +48,7 @@ class ConnectorConfig:
     max_pending_store_bytes: int = 512 << 20
     engine_name: str = ""
     debug_load_delay_s: float = 0.0  # wait before each load (widens race windows in tests; leave 0)
+    block_outermost_layout: bool = True  # GPU engines ask vLLM for BLHNC: one contiguous run per block
     namespace_extra: dict = field(default_factory=dict)  # added to the namespace digest
 
     @classmethod
@@ -182,7 +183,15 @@ class KVTierConnector(KVConnectorBase_V1):
             spec.SerializeToString(deterministic=True),
             offload_prompt_only=self.config.offload_prompt_only,
             lookup_wait_s=self.config.lookup_wait_s,
+            delay_free_for_stores=_on_gpu(self._vllm_config),
         )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """Block-outermost on GPUs (where every attention backend accepts it, vLLM uses it; otherwise
+        it warns and keeps a layer-major layout, which works too)."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        return "BLHNC" if _on_gpu(vllm_config) and extra.get("block_outermost_layout", True) else None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -227,7 +236,7 @@ class KVTierConnector(KVConnectorBase_V1):
             else:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
-        return KVTierMetadata(planner.plan_step(scheduled))
+        return KVTierMetadata(planner.plan_step(scheduled, sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())))
 
     @guarded()
     def update_connector_output(self, connector_output) -> None:
@@ -253,12 +262,23 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         try:
-            kv = LayerMajorKV(list(kv_caches.values()))
+            tensors = list(kv_caches.values())
+            if tensors and tensors[0].device.type == "cuda":
+                from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415 (CUDA engines only)
+
+                kv = GpuKV(tensors, self._kv_cache_config.num_blocks)
+            else:
+                kv = LayerMajorKV(tensors)
         except Exception:
             log.exception("kvtier cannot use this KV cache layout; the engine runs without the cache")
             kv = None
         self._transfers = BlockTransfers(
-            self._link, kv, self.config.max_pending_store_bytes, tensor_parallel_rank(), self.config.debug_load_delay_s
+            self._link,
+            kv,
+            self.config.max_pending_store_bytes,
+            tensor_parallel_rank(),
+            self.config.debug_load_delay_s,
+            delay_frees=_on_gpu(self._vllm_config),
         )
         if kv is not None:
             log.info("kvtier connector ready: %d layers, %d bytes per block", len(kv_caches), kv.block_bytes)
@@ -274,6 +294,13 @@ class KVTierConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is not None and plan.loads:
             self._transfers.start_loads(plan.loads)  # never raises: failures are reported per request
+
+    @guarded()
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Preempted requests' blocks are reused next: let the daemon finish reading them first."""
+        plan = getattr(kv_connector_metadata, "plan", None)
+        if self._transfers is not None and plan is not None and plan.preempted:
+            self._transfers.fence(set(plan.preempted), self.config.timeout_s)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
@@ -292,7 +319,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         finished, failed = self._transfers.finished_loads()
         self._failed_loads |= failed
-        return None, finished or None
+        return self._transfers.finished_stores(set(finished_req_ids or ())) or None, finished or None
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)
@@ -319,3 +346,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._link.close()
+
+
+def _on_gpu(vllm_config) -> bool:
+    return getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"

@@ -9,6 +9,7 @@ import os
 log = logging.getLogger(__name__)
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
+_CUDA_HOST_REGISTER_MAPPED = 2  # kernels read and write it at its host address (unified addressing)
 _LIBCUDART_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12")
 
 
@@ -21,7 +22,9 @@ class CudaHostRegistration:
         self._cudart = _find_cudart()
         if self._cudart is None:
             return
-        status = self._cudart.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(size), _CUDA_HOST_REGISTER_PORTABLE)
+        status = self._cudart.cudaHostRegister(
+            ctypes.c_void_p(address), ctypes.c_size_t(size), _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+        )
         if status != 0:
             log.warning("cudaHostRegister failed", extra={"cuda_status": int(status), "bytes": size})
             return

@@ -13,7 +13,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
 from kvtierd.block_store import BlockStore, Lease, Namespace
-from kvtierd.errors import InvalidArgument, ResourceExhausted, Unimplemented
+from kvtierd.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
 from kvtierd.rpc import unary
 from kvtierd.sessions import Session, SessionRegistry
@@ -34,6 +35,7 @@ class DataService(pb_grpc.KVTierServicer):
         metrics: Metrics,
         limits: pb.Limits,
         pool_info: pb.PoolInfo,
+        gpu: GpuTransfers,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -41,6 +43,7 @@ class DataService(pb_grpc.KVTierServicer):
         self.metrics = metrics
         self.limits = limits
         self.pool_info = pool_info
+        self.gpu = gpu
         self._closing = asyncio.Event()
 
     def close_sessions(self) -> None:
@@ -68,6 +71,8 @@ class DataService(pb_grpc.KVTierServicer):
             closing.cancel()
         finally:
             self.sessions.close(session.id)
+            registrations = self.gpu.drop_session(session.id)
+            await self.gpu.wait_idle(session.id)  # GPU copies into its reserved pages end before they are freed
             leases, reservations = self.store.drop_session(session.id)
             log.info(
                 "engine disconnected",
@@ -76,6 +81,7 @@ class DataService(pb_grpc.KVTierServicer):
                     "engine": session.engine_name,
                     "released_leases": leases,
                     "aborted_reservations": reservations,
+                    "closed_cuda_registrations": registrations,
                 },
             )
 
@@ -86,7 +92,14 @@ class DataService(pb_grpc.KVTierServicer):
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             log.info("namespace registered", extra={"session": session.id, "namespace": ns.id, "model": ns.spec.model_id})
-        return pb.RegisterResponse(namespace=ns.id, block_bytes=ns.block_bytes, pages_per_block=ns.pages_per_block)
+        response = pb.RegisterResponse(namespace=ns.id, block_bytes=ns.block_bytes, pages_per_block=ns.pages_per_block)
+        if request.HasField("cuda_kv"):
+            try:
+                response.cuda_registration = self.gpu.register(session.id, request.cuda_kv, ns.block_bytes).id
+            except FailedPrecondition as exc:  # the engine falls back to TRANSPORT_SHM
+                response.cuda_refused = str(exc)
+                log.warning("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
+        return response
 
     def _session_namespace(self, session_id: str, namespace_id: str):
         session = self.sessions.get(session_id)
@@ -127,9 +140,12 @@ class DataService(pb_grpc.KVTierServicer):
         return checksum.encode(self.store.checksum[lease.slots])
 
     @unary
-    def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
+    async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         transport = _check_transport(request.transport)
+        registration = (
+            self.gpu.registration(session.id, request.cuda_ipc.registration_id) if transport == pb.TRANSPORT_CUDA_IPC else None
+        )
         if request.lease_id:
             lease = self.store.lease(session.id, request.lease_id)
             if lease.namespace is not ns:
@@ -145,7 +161,28 @@ class DataService(pb_grpc.KVTierServicer):
             return pb.LoadResponse(
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
+        if registration is not None:
+            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc.device_block_ids)
         return self._load_inline(session.id, lease)
+
+    async def _load_cuda(self, session_id: str, lease: Lease, registration, device_block_ids) -> pb.LoadResponse:
+        ns = lease.namespace
+        try:
+            count = len(lease.blocks)
+            if len(device_block_ids) < count:
+                raise InvalidArgument(f"{len(device_block_ids)} device block ids for {count} blocks to load")
+            expected = self.store.checksum[lease.slots]
+            pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
+            with self.metrics.cuda_copy_seconds.labels("load").time():
+                copied = await self.gpu.load(registration, np.asarray(device_block_ids[:count], dtype=np.int64), pages)
+            self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
+            bad = checksum.mismatched(copied, expected)
+            if bad.any():
+                self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
+                raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
+            return pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
+        finally:
+            self.store.release(session_id, lease.id)
 
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
         ns = lease.namespace
@@ -169,15 +206,43 @@ class DataService(pb_grpc.KVTierServicer):
         return pb.ReleaseResponse()
 
     @unary
-    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:  # noqa: N802
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
-        _refuse_cuda_ipc(request.transport)
+        if request.transport == pb.TRANSPORT_CUDA_IPC:
+            return await self._store_cuda(session, ns, request)
         result = self.store.reserve(session.id, ns, self.store.split_hashes(ns, request.hashes))
         response = pb.ReserveResponse(status=result.statuses.tolist())
         if result.reservation is not None:
             response.reservation_id = result.reservation.id
             response.page_ids = result.reservation.page_ids
             response.lease_ttl_ms = self.limits.lease_ttl_ms
+        return response
+
+    async def _store_cuda(self, session: Session, ns: Namespace, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        """Reserve, copy from the engine's GPU blocks, checksum and commit, in one call."""
+        registration = self.gpu.registration(session.id, request.cuda_ipc.registration_id)
+        hashes = self.store.split_hashes(ns, request.hashes)
+        device_blocks = np.asarray(request.cuda_ipc.device_block_ids, dtype=np.int64)
+        if len(device_blocks) != len(hashes):
+            raise InvalidArgument(f"{len(device_blocks)} device block ids for {len(hashes)} hashes")
+        registration.check_blocks(device_blocks)
+        result = self.store.reserve(session.id, ns, hashes)
+        response = pb.ReserveResponse(status=result.statuses.tolist())
+        reservation = result.reservation
+        if reservation is None:
+            return response
+        chosen = device_blocks[result.statuses == pb.BLOCK_STATUS_RESERVED]
+        try:
+            with self.metrics.cuda_copy_seconds.labels("store").time():
+                sums = await self.gpu.store(registration, chosen, decode_page_ids(reservation.page_ids, ns.pages_per_block))
+            self.metrics.cuda_copy_bytes.labels("store").inc(len(chosen) * ns.block_bytes)
+        except BaseException:
+            self.store.abort(session.id, reservation.id)
+            raise
+        committed = self.store.commit(session.id, reservation.id, sums)
+        session.counters.stored_blocks += committed
+        session.counters.stored_bytes += committed * ns.block_bytes
+        response.committed_count = committed
         return response
 
     @unary
@@ -224,14 +289,8 @@ async def _drain(request_iterator) -> None:
         pass
 
 
-def _refuse_cuda_ipc(transport: int) -> None:
-    if transport == pb.TRANSPORT_CUDA_IPC:
-        raise Unimplemented("TRANSPORT_CUDA_IPC is not available in this daemon build")
-
-
 def _check_transport(transport: int) -> int:
-    """Loads say how bytes come back: through the mapped pool or inside the response."""
-    _refuse_cuda_ipc(transport)
-    if transport not in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE):
-        raise InvalidArgument(f"transport must be TRANSPORT_SHM or TRANSPORT_INLINE, got {transport}")
+    """Loads say how bytes come back: through the mapped pool, inside the response, or into GPU memory."""
+    if transport not in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC):
+        raise InvalidArgument(f"transport must be TRANSPORT_SHM, TRANSPORT_INLINE or TRANSPORT_CUDA_IPC, got {transport}")
     return transport

@@ -39,5 +39,5 @@ class Unauthenticated(KVTierError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class Unimplemented(KVTierError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+class DataLoss(KVTierError):
+    code = grpc.StatusCode.DATA_LOSS

@@ -75,3 +75,16 @@ class Metrics:
         self.rpc_errors = Counter(
             "kvtierd_rpc_errors", "RPCs answered with an error, by gRPC status code.", ["method", "code"], registry=self.registry
         )
+        self.cuda_copy_seconds = Histogram(
+            "kvtierd_cuda_copy_seconds",
+            "Time of one cuda_ipc batch copy (store: engine GPU to pool, load: pool to engine GPU), waits included.",
+            ["direction"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.cuda_copy_bytes = Counter(
+            "kvtierd_cuda_copy_bytes", "Bytes moved by cuda_ipc copies.", ["direction"], registry=self.registry
+        )
+        self.cuda_checksum_failures = Counter(
+            "kvtierd_cuda_checksum_failures", "Blocks whose cuda_ipc load failed its checksum.", registry=self.registry
+        )

@@ -24,6 +24,7 @@ from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
 from kvtierd.config import Config
 from kvtierd.data_service import DataService
+from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
 from kvtierd.sessions import SessionRegistry
 from kvtierd.shm_pool import SharedPool, pool_file_prefix
@@ -131,7 +132,8 @@ def build(config: Config) -> Daemon:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
     )
-    data = DataService(store, pool, sessions, metrics, limits, pool_info)
+    gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered)
+    data = DataService(store, pool, sessions, metrics, limits, pool_info, gpu)
     pb_grpc.add_KVTierServicer_to_server(data, server)
     pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info), server)
     health_servicer = health.aio.HealthServicer()
@@ -186,6 +188,7 @@ async def serve(config: Config) -> None:
     daemon.data.close_sessions()
     await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
     expiry.cancel()
+    daemon.data.gpu.close()
     daemon.pool.close()
     config.socket.unlink(missing_ok=True)
     log.info("stopped")

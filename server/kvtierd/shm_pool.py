@@ -79,8 +79,13 @@ class SharedPool:
         if bar is not None:
             bar.close()
 
+    @property
+    def address(self) -> int:
+        """Where the pool is mapped in this process (also its device address once registered with CUDA)."""
+        return self._array.ctypes.data
+
     def register_cuda(self) -> bool:
-        self.cuda = CudaHostRegistration(self._array.ctypes.data, self.size)
+        self.cuda = CudaHostRegistration(self.address, self.size)
         return self.cuda.active
 
     def close(self) -> None:

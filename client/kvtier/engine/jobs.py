@@ -28,3 +28,4 @@ class StepPlan:
     namespace_spec: bytes = b""  # serialized NamespaceSpec, so workers register the same namespace
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests whose blocks vLLM is about to reuse

@@ -44,32 +44,14 @@ class LayerMajorKV:
         index = np.asarray(block_ids, dtype=np.int64)
         return [view[index] for view in self._views]
 
-    def _page_aligned(self, page_size: int) -> bool:
-        return all(size % page_size == 0 for size in self.chunk_bytes)
-
-    def _layer_pages(self, page_ids: np.ndarray, layer: int, page_size: int) -> np.ndarray:
-        first = self._offsets[layer] // page_size
-        return page_ids[:, first : first + self.chunk_bytes[layer] // page_size]
-
     def write_pool(self, view: PageView, page_ids: np.ndarray, layers: list[np.ndarray]) -> np.ndarray:
-        """Write snapshot rows into the pool blocks `page_ids` [n, pages_per_block]; their checksums."""
-        page_size = view.page_size
-        if not self._page_aligned(page_size):
-            blocks = np.concatenate(layers, axis=1)
-            view.write_blocks(page_ids, blocks)
-            return checksum.block_checksums(blocks)
-        parts = []
-        for layer, rows in enumerate(layers):
-            pages = self._layer_pages(page_ids, layer, page_size)
-            view.pages[pages] = rows.reshape(*pages.shape, page_size)
-            parts.append(checksum.chunk_sums(rows, self._offsets[layer]))
-        return checksum.combine(parts)
+        return write_rows(view, page_ids, layers, self.chunk_bytes, self._offsets)
 
     def read_pool(self, view: PageView, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
         """Copy pool blocks `page_ids` into the engine blocks `block_ids`; the checksums of what was copied."""
         index = np.asarray(block_ids, dtype=np.int64)
         page_size = view.page_size
-        if not self._page_aligned(page_size):
+        if not _page_aligned(self.chunk_bytes, page_size):
             blocks = view.read_blocks(page_ids, self.block_bytes)
             for layer, target in enumerate(self._views):
                 start = self._offsets[layer]
@@ -77,7 +59,7 @@ class LayerMajorKV:
             return checksum.block_checksums(blocks)
         sums = np.zeros(len(index), dtype=np.uint64)
         for layer, target in enumerate(self._views):
-            pages = self._layer_pages(page_ids, layer, page_size)
+            pages = _chunk_pages(page_ids, self._offsets[layer], self.chunk_bytes[layer], page_size)
             step = max(1, CACHE_CHUNK_BYTES // self.chunk_bytes[layer])
             for start in range(0, len(index), step):  # cache-sized pieces: the scatter and the checksum read warm rows
                 rows = np.take(view.pages, pages[start : start + step].ravel(), axis=0).reshape(-1, self.chunk_bytes[layer])
@@ -85,3 +67,30 @@ class LayerMajorKV:
                 with np.errstate(over="ignore"):
                     sums[start : start + step] += checksum.chunk_sums(rows, self._offsets[layer])
         return checksum.combine([sums])
+
+
+def write_rows(
+    view: PageView, page_ids: np.ndarray, layers: list[np.ndarray], chunk_bytes: list[int], offsets: list[int]
+) -> np.ndarray:
+    """Write snapshot rows (one [n, chunk_bytes] array per chunk of a block) into the pool blocks
+    `page_ids` [n, pages_per_block]; their checksums."""
+    page_size = view.page_size
+    if not _page_aligned(chunk_bytes, page_size):
+        blocks = np.concatenate(layers, axis=1)
+        view.write_blocks(page_ids, blocks)
+        return checksum.block_checksums(blocks)
+    parts = []
+    for rows, size, offset in zip(layers, chunk_bytes, offsets, strict=True):
+        pages = _chunk_pages(page_ids, offset, size, page_size)
+        view.pages[pages] = rows.reshape(*pages.shape, page_size)
+        parts.append(checksum.chunk_sums(rows, offset))
+    return checksum.combine(parts)
+
+
+def _page_aligned(chunk_bytes: list[int], page_size: int) -> bool:
+    return all(size % page_size == 0 for size in chunk_bytes)
+
+
+def _chunk_pages(page_ids: np.ndarray, offset: int, size: int, page_size: int) -> np.ndarray:
+    first = offset // page_size
+    return page_ids[:, first : first + size // page_size]

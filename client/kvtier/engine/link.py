@@ -40,6 +40,7 @@ class DaemonLink:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-link")
         self._client: KVTierClient | None = None
         self._spec: pb.NamespaceSpec | None = None
+        self._cuda_kv: pb.CudaKVCache | None = None
         self._namespace: Namespace | None = None
         self._next_attempt = 0.0
         self._down_logged = False
@@ -53,6 +54,18 @@ class DaemonLink:
                 return
             self._spec = spec
             self._namespace = None
+
+    def set_cuda_kv(self, cuda_kv: pb.CudaKVCache) -> None:
+        """Offer the worker's GPU KV cache (TRANSPORT_CUDA_IPC) with every registration from now on."""
+        with self._lock:
+            self._cuda_kv = cuda_kv
+            self._namespace = None
+
+    @property
+    def cuda_registered(self) -> bool:
+        """The current connection accepted the GPU KV cache (TRANSPORT_CUDA_IPC)."""
+        namespace = self._namespace
+        return namespace is not None and bool(namespace.cuda_registration)
 
     @property
     def available(self) -> bool:
@@ -90,12 +103,14 @@ class DaemonLink:
     def _connected(self) -> tuple[KVTierClient, Namespace]:
         client = self._session()
         with self._lock:
-            spec, namespace = self._spec, self._namespace
+            spec, namespace, cuda_kv = self._spec, self._namespace, self._cuda_kv
         if spec is None:
             raise DaemonUnavailable("no namespace registered yet")
         if namespace is None:
             try:
-                namespace = client.register(spec)
+                namespace = client.register(spec, cuda_kv)
+                if cuda_kv is not None and not namespace.cuda_registration:
+                    log.warning("kvtierd refused cuda_ipc (%s); the engine copies through shared memory", namespace.cuda_refused)
             except grpc.RpcError as exc:
                 self._drop(f"register failed: {exc.code().name}: {exc.details()}")
                 raise DaemonUnavailable(exc.details()) from None

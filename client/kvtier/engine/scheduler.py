@@ -48,12 +48,14 @@ class PrefixPlanner:
     namespace_spec: bytes
     offload_prompt_only: bool = True
     lookup_wait_s: float = 1.0
+    delay_free_for_stores: bool = False  # GPU engines: the daemon reads the blocks after the step ends
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     _requests: dict[str, _Request] = field(default_factory=dict)
     _queued: dict[str, list[bytes]] = field(default_factory=dict)
     _in_flight: list[tuple[list[str], Future]] = field(default_factory=list)
     _loads: list[LoadJob] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)  # requests whose load the workers have not reported
+    _storing: set[str] = field(default_factory=set)  # requests with stores planned (delay_free_for_stores)
 
     # ------------------------------------------------------------------ lookups
 
@@ -134,11 +136,11 @@ class PrefixPlanner:
         self._loading.add(req_id)
         self.stats.hit_tokens += num_external_tokens
 
-    def plan_step(self, scheduled: list[tuple[str, int, list[bytes], list[int]]]) -> StepPlan:
+    def plan_step(self, scheduled: list[tuple[str, int, list[bytes], list[int]]], preempted: list[str] | None = None) -> StepPlan:
         """vLLM's build_connector_meta. `scheduled`: (req_id, tokens computed once this step ran,
         the request's block hashes, its block ids) for every request in the step."""
         self._flush_lookups()
-        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads)
+        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads, preempted=list(preempted or ()))
         self._loads = []
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)
@@ -149,6 +151,8 @@ class PrefixPlanner:
                 plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
                 self.stats.store_blocks_planned += full - state.stored_upto
                 state.stored_upto = full
+                if self.delay_free_for_stores:
+                    self._storing.add(req_id)
         return plan
 
     def on_transfers(self, loaded: set[str], failed: set[str]) -> None:
@@ -162,8 +166,11 @@ class PrefixPlanner:
                 log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
     def finished(self, req_id: str) -> bool:
-        """vLLM's request_finished: True while a load still writes into the request's blocks, so vLLM
-        keeps them until the workers report that load (and then frees them)."""
+        """vLLM's request_finished: True while a load still writes into the request's blocks, or (GPU
+        engines) stores may still read them, so vLLM keeps them until the workers report (and then
+        frees them)."""
         self._requests.pop(req_id, None)
         self._queued.pop(req_id, None)
-        return req_id in self._loading
+        storing = req_id in self._storing
+        self._storing.discard(req_id)
+        return req_id in self._loading or storing

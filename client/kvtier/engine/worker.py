@@ -1,11 +1,19 @@
-"""Worker-side transfers between the engine's KV cache and the daemon's pool (shm transport).
+"""Worker-side transfers between the engine's KV cache and the daemon's pool.
 
-Loads run on the link thread while the request waits (vLLM's async load): pin the blocks, copy them
-out of the pool, verify their checksums, release, then write them into the engine's blocks. Anything
-short of the full run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so vLLM
-recomputes those tokens. Stores copy the just-computed blocks out of the KV cache at the end of the
-step (so the engine may reuse the blocks at once) and reserve, write and commit them on the link
-thread; pending store copies are bounded, and beyond the bound new stores are skipped.
+Two transports, chosen per daemon connection:
+- cuda_ipc (a GPU cache the daemon opened): the daemon copies. A load is one Load call that returns
+  when the blocks are in the engine's memory and verified. A store records the engine's ready event
+  after the forward and sends one Reserve call; the daemon's copy waits for that event, so the
+  engine's stream never waits for a store. The blocks must not be reused before the daemon copied
+  them: a finished request's blocks are freed only once its stores are done (vLLM's
+  finished_sending), and a preempted request's stores are awaited before its blocks are reused.
+- shm (CPU caches, or a daemon that refused cuda_ipc): the engine copies. Loads pin the blocks, copy
+  them out of the mapped pool into the engine's blocks, verify their checksums and release. Stores
+  copy the just-computed blocks out of the KV cache at the end of the step (so the engine may reuse
+  the blocks at once) and reserve, write and commit them on the link thread; pending store copies
+  are bounded, and beyond the bound new stores are skipped.
+Loads run on the link thread while the request waits (vLLM's async load). Anything short of the full
+run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +32,9 @@ from kvtier import checksum
 from kvtier.client import KVTierClient
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.kv_blocks import LayerMajorKV
+
+if TYPE_CHECKING:
+    from kvtier.engine.gpu_kv import GpuKV
 from kvtier.engine.link import DaemonLink
 from kvtier.ops import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
@@ -47,16 +60,19 @@ class LoadFailed(Exception):
 @dataclass
 class BlockTransfers:
     link: DaemonLink
-    kv: LayerMajorKV | None  # None: the engine's cache layout is not supported; every load fails
+    kv: LayerMajorKV | GpuKV | None  # None: the engine's cache layout is not supported; every load fails
     max_pending_store_bytes: int = 512 << 20
     tp_rank: int = 0
     load_delay_s: float = 0.0
+    delay_frees: bool = False  # GPU engines: vLLM keeps finished requests' blocks until finished_stores says so
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
     _disabled: str = ""
     _loads: dict[str, Future] = field(default_factory=dict)
     _pending_store_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _device_stores: dict[str, list[Future]] = field(default_factory=dict)  # per request: daemon copies in flight
+    _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
 
     def configure(self, namespace_spec: bytes) -> None:
         """Adopt the namespace the scheduler side computed (for our TP rank); refuse it if our cache's
@@ -78,7 +94,13 @@ class BlockTransfers:
             return
         self._disabled = ""
         spec.tp_rank = self.tp_rank
+        if self._gpu_kv is not None:
+            self.link.set_cuda_kv(self._gpu_kv.describe())
         self.link.set_namespace_spec(spec)
+
+    @property
+    def _gpu_kv(self) -> GpuKV | None:
+        return None if self.kv is None or isinstance(self.kv, LayerMajorKV) else self.kv
 
     # ------------------------------------------------------------------ loads
 
@@ -96,6 +118,11 @@ class BlockTransfers:
         """Copy the blocks into the engine's blocks, then check them; on failure vLLM recomputes them."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
+        if ns.cuda_registration:
+            loaded = client.load_cuda(ns, job.block_ids, hashes=job.hashes)
+            if loaded < len(job.hashes):
+                raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
+            return loaded * ns.block_bytes
         result = client.lookup(ns, job.hashes, pin=True)
         try:
             if result.hit_count < len(job.hashes):
@@ -132,9 +159,20 @@ class BlockTransfers:
     # ------------------------------------------------------------------ stores
 
     def save(self, jobs: list[StoreJob]) -> None:
+        """Called after the step's forward: store the blocks it completed."""
+        if self.delay_frees:
+            for job in jobs:
+                self._device_stores.setdefault(job.req_id, [])
         block_ids = [b for job in jobs for b in job.block_ids]
         hashes = [h for job in jobs for h in job.hashes]
         if not block_ids or self._disabled or self.kv is None:
+            return
+        if self._gpu_kv is not None and self.link.cuda_registered:
+            self._gpu_kv.record_ready()
+            future = self.link.submit(lambda client, ns: client.store_cuda(ns, hashes, block_ids) if ns.cuda_registration else 0)
+            future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids)))
+            for job in jobs:
+                self._device_stores[job.req_id].append(future)
             return
         size = len(block_ids) * self.kv.block_bytes
         with self._lock:
@@ -173,6 +211,23 @@ class BlockTransfers:
             self.stats.stored_bytes += stored * self.kv.block_bytes
         if error is not None:
             log.debug("kvtier store failed: %s", error)
+
+    def finished_stores(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests vLLM finished (now or before), those whose blocks no store reads any more
+        (vLLM frees them on this answer: finished_sending)."""
+        self._finishing |= finished_req_ids & self._device_stores.keys()
+        done = {r for r in self._finishing if all(f.done() for f in self._device_stores[r])}
+        for req_id in done:
+            del self._device_stores[req_id]
+        self._finishing -= done
+        return done
+
+    def fence(self, req_ids: set[str], timeout: float) -> None:
+        """Wait (bounded) until the daemon copied the blocks of these requests (they are preempted and
+        their blocks are about to be reused)."""
+        futures = [f for r in req_ids for f in self._device_stores.get(r, [])]
+        if futures:
+            wait_futures(futures, timeout=timeout)
 
     def take_stats(self) -> WorkerStats:
         with self._lock:

@@ -141,23 +141,73 @@ class NamespaceSpec(_message.Message):
     extra: _containers.ScalarMap[str, str]
     def __init__(self, model_id: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_bytes: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class CudaAllocation(_message.Message):
+    __slots__ = ("ipc_handle", "size_bytes", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    size_bytes: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class KVRun(_message.Message):
+    __slots__ = ("allocation", "offset", "block_stride", "size_bytes")
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocation: int
+    offset: int
+    block_stride: int
+    size_bytes: int
+    def __init__(self, allocation: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaKVCache(_message.Message):
+    __slots__ = ("device_uuid", "allocations", "runs", "num_blocks", "ready_event")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    allocations: _containers.RepeatedCompositeFieldContainer[CudaAllocation]
+    runs: _containers.RepeatedCompositeFieldContainer[KVRun]
+    num_blocks: int
+    ready_event: bytes
+    def __init__(self, device_uuid: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[CudaAllocation, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[KVRun, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("session_id", "spec")
+    __slots__ = ("session_id", "spec", "cuda_kv")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    CUDA_KV_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: NamespaceSpec
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+    cuda_kv: CudaKVCache
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("namespace", "block_bytes", "pages_per_block")
+    __slots__ = ("namespace", "block_bytes", "pages_per_block", "cuda_registration", "cuda_refused")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_REFUSED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_bytes: int
     pages_per_block: int
-    def __init__(self, namespace: _Optional[str] = ..., block_bytes: _Optional[int] = ..., pages_per_block: _Optional[int] = ...) -> None: ...
+    cuda_registration: str
+    cuda_refused: str
+    def __init__(self, namespace: _Optional[str] = ..., block_bytes: _Optional[int] = ..., pages_per_block: _Optional[int] = ..., cuda_registration: _Optional[str] = ..., cuda_refused: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "hashes", "pin")
@@ -270,16 +320,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., hashes: _Optional[bytes] = ..., transport: _Optional[_Union[Transport, str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTarget, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "status", "page_ids", "lease_ttl_ms")
+    __slots__ = ("reservation_id", "status", "page_ids", "lease_ttl_ms", "committed_count")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     status: _containers.RepeatedScalarFieldContainer[BlockStatus]
     page_ids: bytes
     lease_ttl_ms: int
-    def __init__(self, reservation_id: _Optional[int] = ..., status: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., page_ids: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    committed_count: int
+    def __init__(self, reservation_id: _Optional[int] = ..., status: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., page_ids: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., committed_count: _Optional[int] = ...) -> None: ...
 
 class WriteRequest(_message.Message):
     __slots__ = ("session_id", "reservation_id", "index", "offset", "data")

@@ -1,0 +1,77 @@
+"""Where every byte of a batch of blocks goes between an engine's GPU KV cache and the pool.
+
+An engine describes its cache as runs (`KVRun`): block b's k-th run is `size` bytes at
+`allocation + offset + b * block_stride`, and a block's bytes in the pool are its runs concatenated.
+The pool stores a block in pages of `page_size` bytes. Cutting the block's byte range at every run
+boundary and every page boundary gives segments that are contiguous on both sides; their shape is the
+same for every block, so it is computed once per registration (`SegmentTemplate`) and a batch's
+source and destination addresses are one numpy broadcast (`SegmentTemplate.addresses`), never a
+Python loop over blocks. The copy kernel runs one program per segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+WORD = 8  # segments move and checksum 64-bit words
+
+
+@dataclass(frozen=True)
+class Run:
+    allocation: int
+    offset: int
+    block_stride: int
+    size: int
+
+
+@dataclass(frozen=True)
+class SegmentTemplate:
+    """Per segment of one block (arrays of equal length)."""
+
+    allocation: np.ndarray  # int64: which allocation the GPU side is in
+    gpu_offset: np.ndarray  # int64: bytes from the allocation base for block 0
+    block_stride: np.ndarray  # int64: GPU bytes between consecutive blocks
+    page: np.ndarray  # int64: which of the block's pool pages
+    page_offset: np.ndarray  # int64
+    words: np.ndarray  # int64: segment length in 64-bit words
+    first_word: np.ndarray  # int64: position of the segment's first word in the block (checksum weights)
+
+    @classmethod
+    def build(cls, runs: list[Run], page_size: int) -> SegmentTemplate:
+        if not runs:
+            raise ValueError("a KV cache needs at least one run")
+        if page_size % WORD:
+            raise ValueError(f"page size {page_size} is not a multiple of {WORD}")
+        for run in runs:
+            if run.size <= 0 or run.size % WORD or run.offset % WORD or run.block_stride % WORD:
+                raise ValueError(f"run {run} is not made of whole, aligned {WORD}-byte words")
+        sizes = np.array([r.size for r in runs], dtype=np.int64)
+        run_start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        block_bytes = int(sizes.sum())
+        cuts = np.union1d(run_start, np.arange(0, block_bytes, page_size, dtype=np.int64))
+        length = np.diff(np.append(cuts, block_bytes))
+        run_of = np.searchsorted(run_start, cuts, side="right") - 1
+        offsets = np.array([r.offset for r in runs], dtype=np.int64)
+        return cls(
+            allocation=np.array([r.allocation for r in runs], dtype=np.int64)[run_of],
+            gpu_offset=offsets[run_of] + cuts - run_start[run_of],
+            block_stride=np.array([r.block_stride for r in runs], dtype=np.int64)[run_of],
+            page=cuts // page_size,
+            page_offset=cuts % page_size,
+            words=length // WORD,
+            first_word=cuts // WORD,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.words.sum()) * WORD
+
+    def addresses(
+        self, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_base: int, page_ids: np.ndarray, page_size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(GPU addresses, pool addresses), each [n_blocks * segments] int64, block-major."""
+        gpu = allocation_bases[self.allocation] + self.gpu_offset + block_ids.astype(np.int64)[:, None] * self.block_stride
+        pool = pool_base + page_ids.astype(np.int64)[:, self.page] * page_size + self.page_offset
+        return gpu.ravel(), pool.ravel()

@@ -1,0 +1,235 @@
+"""The daemon side of TRANSPORT_CUDA_IPC: engines' GPU KV caches, opened once, and the copies.
+
+A registration belongs to a session: the engine worker's KV cache allocations opened through CUDA
+IPC on the device with the same UUID, the segment template of its layout, and its ready event. The
+daemon keeps one CUDA context per GPU (torch's primary context) and a few streams per GPU; each copy
+is one kernel launch (gpu_copy) run on a worker thread, so the event loop never waits for the GPU.
+Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
+a store); loads return only when the bytes are in the engine's memory. When a session ends, its
+registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
+memory of an engine that died is then freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.copy_plan import Run, SegmentTemplate
+from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+log = logging.getLogger("kvtierd.gpu")
+
+STREAMS_PER_DEVICE = 4
+
+
+@dataclass
+class CudaRegistration:
+    id: str
+    session_id: str
+    device_index: int
+    storages: list  # torch.UntypedStorage opened through CUDA IPC
+    bases: np.ndarray  # int64 device address of each storage
+    template: SegmentTemplate
+    num_blocks: int
+    ready_event: object  # torch.cuda.Event opened from the engine's handle
+    in_flight: int = 0
+    closing: bool = False
+
+    def check_blocks(self, block_ids: np.ndarray) -> None:
+        if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
+            raise InvalidArgument(f"device block ids must be in [0, {self.num_blocks})")
+
+
+@dataclass
+class GpuTransfers:
+    pool_address: int
+    page_size: int
+    pool_registered: bool
+    _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _executor: ThreadPoolExecutor | None = None
+    _streams: dict[int, itertools.cycle] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, session_id: str, cache: pb.CudaKVCache, block_bytes: int) -> CudaRegistration:
+        """Open an engine worker's KV cache; raises FailedPrecondition when this daemon cannot."""
+        torch = _cuda_torch()
+        if not self.pool_registered:
+            raise FailedPrecondition("the pool is not registered with CUDA (no CUDA runtime, or --cuda-register false)")
+        device_index = _device_by_uuid(torch, cache.device_uuid)
+        if not cache.allocations or not cache.runs or cache.num_blocks == 0:
+            raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
+        runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
+        for run in runs:
+            if run.allocation >= len(cache.allocations):
+                raise InvalidArgument(f"run {run} names allocation {run.allocation} of {len(cache.allocations)}")
+            end = run.offset + (cache.num_blocks - 1) * run.block_stride + run.size
+            if end > cache.allocations[run.allocation].size_bytes:
+                raise InvalidArgument(f"run {run} reaches byte {end}, beyond its allocation")
+        try:
+            template = SegmentTemplate.build(runs, self.page_size)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if template.block_bytes != block_bytes:
+            raise InvalidArgument(f"cuda_kv runs hold {template.block_bytes} bytes per block; the namespace says {block_bytes}")
+        with torch.cuda.device(device_index):
+            try:
+                storages = [_open_storage(torch, device_index, a) for a in cache.allocations]
+                ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event) if cache.ready_event else None
+            except RuntimeError as exc:
+                raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
+        registration = CudaRegistration(
+            id=uuid.uuid4().hex,
+            session_id=session_id,
+            device_index=device_index,
+            storages=storages,
+            bases=np.array([s.data_ptr() for s in storages], dtype=np.int64),
+            template=template,
+            num_blocks=cache.num_blocks,
+            ready_event=ready,
+        )
+        with self._lock:
+            self._registrations[registration.id] = registration
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    STREAMS_PER_DEVICE * torch.cuda.device_count(), thread_name_prefix="kvtierd-gpu"
+                )
+            if device_index not in self._streams:
+                self._streams[device_index] = itertools.cycle(
+                    [torch.cuda.Stream(device_index) for _ in range(STREAMS_PER_DEVICE)]
+                )
+        log.info(
+            "cuda_ipc registered",
+            extra={
+                "session": session_id,
+                "registration": registration.id,
+                "device": device_index,
+                "segments": len(template.words),
+            },
+        )
+        return registration
+
+    def registration(self, session_id: str, registration_id: str) -> CudaRegistration:
+        registration = self._registrations.get(registration_id)
+        if registration is None or registration.closing:
+            raise NotFound(f"cuda registration {registration_id!r} is unknown (register again after a reconnect)")
+        if registration.session_id != session_id:
+            raise PermissionDenied(f"cuda registration {registration_id!r} belongs to another session")
+        return registration
+
+    # ------------------------------------------------------------------ copies
+
+    async def store(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+        """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
+        return await self._run(registration, self._copy, registration, block_ids, page_ids, True)
+
+    async def load(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+        """Copy pool blocks into engine blocks; the checksums of what was copied (the bytes are in place)."""
+        return await self._run(registration, self._copy, registration, block_ids, page_ids, False)
+
+    async def _run(self, registration: CudaRegistration, fn, *args):
+        registration.check_blocks(args[1])
+        registration.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            registration.in_flight -= 1
+            if registration.closing and registration.in_flight == 0:
+                self._close(registration)
+
+    def _copy(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool) -> np.ndarray:
+        import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
+
+        from kvtierd.gpu_copy import block_checksums, copy_segments  # noqa: PLC0415 (needs triton)
+
+        template = registration.template
+        gpu, pool = template.addresses(registration.bases, block_ids, self.pool_address, page_ids, self.page_size)
+        n = len(block_ids)
+        words, first = np.tile(template.words, n), np.tile(template.first_word, n)
+        with self._lock:
+            stream = next(self._streams[registration.device_index])
+        device = torch.device("cuda", registration.device_index)
+        with torch.cuda.device(device):
+            if to_pool and registration.ready_event is not None:
+                stream.wait_event(registration.ready_event)
+            src, dst = (gpu, pool) if to_pool else (pool, gpu)
+            partial = copy_segments(src, dst, words, first, device, stream)
+            return block_checksums(partial, n, stream)
+
+    # ------------------------------------------------------------------ teardown
+
+    def drop_session(self, session_id: str) -> int:
+        """Close the session's registrations (each as soon as its copies in flight end)."""
+        with self._lock:
+            mine = [r for r in self._registrations.values() if r.session_id == session_id]
+        for registration in mine:
+            registration.closing = True
+            if registration.in_flight == 0:
+                self._close(registration)
+        return len(mine)
+
+    async def wait_idle(self, session_id: str) -> None:
+        """Wait until no copy of the session's registrations is in flight (their pool pages may then be freed)."""
+        while any(r.in_flight for r in list(self._registrations.values()) if r.session_id == session_id):
+            await asyncio.sleep(0.001)
+
+    def _close(self, registration: CudaRegistration) -> None:
+        """No copy of it is in flight (each waits for its stream before returning): dropping the
+        storages closes the IPC mappings."""
+        with self._lock:
+            self._registrations.pop(registration.id, None)
+        registration.storages.clear()
+        registration.ready_event = None
+        log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
+
+    def close(self) -> None:
+        for registration in list(self._registrations.values()):
+            self._close(registration)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    @property
+    def registrations(self) -> int:
+        return len(self._registrations)
+
+
+def _cuda_torch():
+    try:
+        import torch  # noqa: PLC0415
+
+        import kvtierd.gpu_copy  # noqa: F401, PLC0415 (triton)
+    except ImportError as exc:
+        raise FailedPrecondition(f"this daemon cannot serve cuda_ipc: {exc}") from None
+    if not torch.cuda.is_available():
+        raise FailedPrecondition("this daemon has no CUDA device")
+    return torch
+
+
+def _device_by_uuid(torch, device_uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+            return index
+    raise FailedPrecondition(f"GPU {device_uuid} is not visible to this daemon")
+
+
+def _open_storage(torch, device_index: int, allocation: pb.CudaAllocation):
+    return torch.UntypedStorage._new_shared_cuda(
+        device_index,
+        allocation.ipc_handle,
+        allocation.size_bytes,
+        allocation.offset,
+        allocation.ref_counter_handle,
+        allocation.ref_counter_offset,
+        allocation.event_handle or None,
+        allocation.event_sync_required,
+    )

@@ -1,0 +1,96 @@
+"""The GPU copy plan, checked on the CPU: every byte of every block lands where the pool layout says,
+and per-segment checksum parts add up to the block checksum the shm transport computes."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier import checksum  # noqa: E402
+from kvtier.engine.gpu_kv import block_runs  # noqa: E402
+from kvtierd.copy_plan import WORD, Run, SegmentTemplate  # noqa: E402
+
+PAGE = 4096
+GPU_BASE, POOL_BASE = 1 << 40, 1 << 50  # symbolic addresses: the test maps them back to arrays
+
+
+def run_segments(template: SegmentTemplate, memory: np.ndarray, pool: np.ndarray, block_ids, page_ids) -> np.ndarray:
+    """What the copy kernel does, in numpy: copy every segment GPU -> pool; per-block checksums."""
+    gpu, host = template.addresses(np.array([GPU_BASE]), np.asarray(block_ids), POOL_BASE, page_ids, PAGE)
+    n_seg = len(template.words)
+    sums = np.zeros(len(block_ids), dtype=np.uint64)
+    for i, (src, dst) in enumerate(zip(gpu - GPU_BASE, host - POOL_BASE, strict=True)):
+        size = int(template.words[i % n_seg]) * WORD
+        pool[dst : dst + size] = memory[src : src + size]
+        part = checksum.chunk_sums(memory[src : src + size][None, :], int(template.first_word[i % n_seg]) * WORD)
+        with np.errstate(over="ignore"):
+            sums[i // n_seg] += part[0]
+    return checksum.combine([sums])
+
+
+def vllm_033_cache(layout: str, num_blocks=12, layers=3, heads=2, block_size=16, head_size=40):
+    """One int8 buffer and per-layer [B, H, N, 2*head_size] fp16 views, as vLLM 0.33 allocates it."""
+    page = heads * block_size * 2 * head_size * 2
+    buffer = torch.randint(-128, 127, (num_blocks * layers * page,), dtype=torch.int8)
+    views = []
+    for layer in range(layers):
+        if layout == "LBHNC":
+            offset, block_stride = layer * num_blocks * page, page
+        else:  # BLHNC
+            offset, block_stride = layer * page, layers * page
+        elems = page // 2
+        view = torch.as_strided(
+            buffer.view(torch.float16),
+            (num_blocks, heads, block_size, 2 * head_size),
+            (block_stride // 2, elems // heads, 2 * head_size, 1),
+            offset // 2,
+        )
+        views.append(view)
+    return buffer, views, page
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_plan_moves_every_block_byte_exact(layout):
+    buffer, views, page = vllm_033_cache(layout)
+    storages, runs = block_runs(views, 12)
+    assert len(storages) == 1
+    assert len(runs) == (3 if layout == "LBHNC" else 1)  # a block-outermost block is one run
+    template = SegmentTemplate.build([Run(r.storage, r.offset, r.block_stride, r.size) for r in runs], PAGE)
+    block_bytes = 3 * page
+    assert template.block_bytes == block_bytes
+    pages_per_block = -(-block_bytes // PAGE)
+    page_ids = np.random.default_rng(1).permutation(64)[: 4 * pages_per_block].reshape(4, pages_per_block)
+    memory = buffer.view(torch.uint8).numpy()
+    pool = np.zeros(64 * PAGE, dtype=np.uint8)
+    blocks = [7, 0, 11, 3]
+
+    sums = run_segments(template, memory, pool, blocks, page_ids)
+
+    stored = np.concatenate([p[None] for p in pool.reshape(64, PAGE)[page_ids].reshape(4, -1)])[:, :block_bytes]
+    expected = np.concatenate([v.view(torch.uint8).flatten(1)[blocks].numpy() for v in views], axis=1)
+    assert np.array_equal(stored, expected)
+    assert np.array_equal(sums, checksum.block_checksums(expected))
+
+
+def test_runs_of_vllm_032_split_kv_tensors():
+    """vLLM 0.32 gives each layer its own [2, num_blocks, ...] tensor: a K run and a V run per layer."""
+    layers = [torch.randn(2, 10, 16, 2, 8) for _ in range(2)]
+    storages, runs = block_runs(layers, 10)
+    assert len(storages) == 2
+    assert [(r.storage, r.size) for r in runs] == [(0, 1024), (0, 1024), (1, 1024), (1, 1024)]
+    assert runs[1].offset == 10 * 1024  # V follows all K blocks
+    assert torch.equal(runs[1].rows[4], layers[0][1, 4].flatten().view(torch.uint8))
+
+
+def test_shared_layers_and_gaps():
+    base = torch.randn(8, 2, 16, 8)
+    _, runs = block_runs([base, base], 8)  # a layer sharing another's KV counts once
+    assert len(runs) == 1
+    padded = torch.randn(8, 2, 16, 9)[..., :8]  # rows with a gap: not one dense run
+    with pytest.raises(ValueError, match="gaps"):
+        block_runs([padded], 8)
+
+
+def test_template_rejects_unaligned_runs():
+    with pytest.raises(ValueError, match="aligned"):
+        SegmentTemplate.build([Run(0, 4, 1024, 1024)], PAGE)
