@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 
@@ -15,7 +16,7 @@ log = logging.getLogger("kvtierd.rpc")
 
 
 def unary(method):
-    """`method(self, request, context) -> response`; `self.metrics` must be a Metrics."""
+    """`method(self, request, context) -> response` (or a coroutine of it); `self.metrics` must be a Metrics."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -23,7 +24,8 @@ def unary(method):
         metrics: Metrics = self.metrics
         started = time.perf_counter()
         try:
-            return method(self, request, context)
+            response = method(self, request, context)
+            return await response if inspect.isawaitable(response) else response
         except KVTierError as exc:
             code, message = exc.code, str(exc)
             log.warning("request refused", extra={"method": name, "code": code.name, "reason": message, "peer": context.peer()})
