@@ -293,13 +293,13 @@ class FsTier:
             self.health.skipped["tier_full"] += 1
             done()
             return
-        self._remove_files(victims)
         job = _Write(ns, block_hash, time.time())
         self._writes[(ns.id, block_hash)] = job
-        future = self._run(self._write_file, job, checksum, segments)
+        future = self._run(self._write_file, job, checksum, segments, [self._path(v) for v in victims])
         future.add_done_callback(partial(self._written, job, done))
 
-    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview]) -> None:
+    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview], evicted: list[Path]) -> None:
+        _unlink_all(evicted)  # first, so the files on disk never exceed --fs-size
         ns = job.namespace
         if ns.id not in self._spec_written:
             write_spec(self.root, ns.spec)
