@@ -19,6 +19,7 @@ from test_admin import ctl
 
 from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.config import load_config
 
 BLOCK = 256 * 1024  # 16 blocks fill the 4 MiB pools below
 
@@ -335,6 +336,15 @@ def test_admin_and_metrics_across_tiers(fs_daemons):
         assert daemon.admin("Clear", all=True).deleted_count == 18
         assert all(gone(block_file(daemon, ns.id, h)) for h in hashes)
         assert fs_stats(daemon).blocks == 0
+
+
+def test_fs_options_are_validated():
+    with pytest.raises(SystemExit, match="fs_size must be given"):
+        load_config(["--fs-path", "/tmp/somewhere"], environ={})
+    with pytest.raises(SystemExit, match="fs_eviction"):
+        load_config(["--fs-path", "/tmp/x", "--fs-size", "1GiB", "--fs-eviction", "fifo"], environ={})
+    config = load_config(["--fs-path", "/tmp/x"], environ={"KVTIERD_FS_SIZE": "2GiB", "KVTIERD_FS_DIRECT_IO": "yes"})
+    assert (config.fs_size, config.fs_direct_io, config.fs_io_threads) == (2 << 30, True, 8)
 
 
 def test_tier_off_refuses_fs_admin_requests(daemon):

@@ -194,9 +194,11 @@ def write_block(
     created_at: float,
     segments: Sequence[memoryview],
     direct: bool,
+    durable: bool = True,
 ) -> None:
     """Write a block atomically. `segments` hold its bytes (with O_DIRECT: at least align_up(length),
-    from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long)."""
+    from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long). `durable=False`
+    skips the fsyncs (only for filling a tier in benchmarks: a crash may then lose or tear files)."""
     data = _trim(segments, length)
     header = msgpack.packb(
         {
@@ -224,7 +226,8 @@ def write_block(
         _pwritev_all(fd, iov, 0)
         if direct:
             os.ftruncate(fd, ALIGN + length)  # drop the alignment padding
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.close(fd)
         fd = -1
         os.rename(temporary, path)
@@ -233,7 +236,8 @@ def write_block(
             os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
