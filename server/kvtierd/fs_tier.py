@@ -83,7 +83,6 @@ class FsHealth:
     read_errors: int = 0
     write_errors: int = 0
     paused_until: float = 0.0  # monotonic time before which stores are refused
-    reason: str = ""
     skipped: Counter = field(default_factory=Counter)  # blocks not written, by reason
 
     @property
@@ -334,7 +333,6 @@ class FsTier:
                 extra={"errno": exc.errno, "reason": reason, "retry_in_seconds": PAUSE_SECONDS},
             )
         self.health.paused_until = time.monotonic() + PAUSE_SECONDS
-        self.health.reason = reason
 
     # ------------------------------------------------------------------ admin
 
