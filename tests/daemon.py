@@ -25,6 +25,7 @@ START_TIMEOUT = 20.0
 class DaemonProcess:
     directory: Path
     args: list[str]
+    prefix: list[str] = field(default_factory=list)  # runs the daemon through this command (e.g. unshare)
     process: subprocess.Popen | None = None
     log_path: Path = field(init=False)
 
@@ -47,6 +48,7 @@ class DaemonProcess:
     def start(self) -> DaemonProcess:
         self.shm_dir.mkdir(exist_ok=True)
         command = [
+            *self.prefix,
             sys.executable,
             "-m",
             "kvtierd",

@@ -46,6 +46,7 @@ def _tier_rows(label: str, tiers) -> list[list[object]]:
             t.misses,
             f"{t.hit_ratio:.1%}",
             t.evictions,
+            t.checksum_failures,
         ]
         for t in tiers
     ]
@@ -68,13 +69,16 @@ def show_info(r: pb.GetInfoResponse) -> str:
 
 
 def show_stats(r: pb.GetStatsResponse) -> str:
-    headers = ["namespace", "tier", "blocks", "bytes", "capacity", "hits", "misses", "hit ratio", "evictions"]
+    headers = ["namespace", "tier", "blocks", "bytes", "capacity", "hits", "misses", "hit ratio", "evictions", "bad files"]
     rows = _tier_rows("(all)", r.tiers)
     for ns in r.namespaces:
         rows += _tier_rows(ns.namespace, ns.tiers)
     summary = (
         f"engines connected: {r.engines_connected}   reserved: {format_size(r.reserved_bytes)}   pinned blocks: {r.pinned_blocks}"
     )
+    for t in r.tiers:
+        if t.tier == "fs":
+            summary += f"\nfs tier: {t.io_errors} I/O errors, stores {'PAUSED after a disk failure' if t.stores_paused else 'on'}"
     return table(headers, rows) + "\n\n" + summary
 
 
@@ -161,11 +165,11 @@ def run_command(
     if c == "blocks":
         order = pb.BLOCK_ORDER_HITS if args.order == "hits" else pb.BLOCK_ORDER_RECENCY
         request = pb.ListBlocksRequest(
-            namespace=args.namespace or "", order=order, page_size=args.limit, page_token=args.page_token or ""
+            namespace=args.namespace or "", order=order, page_size=args.limit, page_token=args.page_token or "", tier=args.tier
         )
         return stub.ListBlocks(request, timeout=timeout), show_blocks
     if c == "inspect":
-        request = pb.InspectBlockRequest(namespace=args.namespace, hash=_hashes([args.hash]))
+        request = pb.InspectBlockRequest(namespace=args.namespace, hash=_hashes([args.hash]), tier=args.tier)
         return stub.InspectBlock(request, timeout=timeout), show_inspect
     if c == "delete":
         request = pb.DeleteBlocksRequest(namespace=args.namespace, hashes=_hashes(args.hashes))
@@ -204,9 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     blocks.add_argument("--order", choices=("recency", "hits"), default="recency")
     blocks.add_argument("--limit", type=int, default=50)
     blocks.add_argument("--page-token")
+    blocks.add_argument("--tier", choices=("ram", "fs", ""), default="", help="only blocks of this tier (default: both)")
     inspect = command("inspect", "one block's details and checksum")
     inspect.add_argument("namespace")
     inspect.add_argument("hash", help="hex")
+    inspect.add_argument("--tier", choices=("ram", "fs", ""), default="", help="which copy (default: the pool's, else disk's)")
     delete = command("delete", "delete blocks")
     delete.add_argument("namespace")
     delete.add_argument("hashes", nargs="+", help="hex")

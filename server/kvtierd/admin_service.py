@@ -12,7 +12,9 @@ from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.block_store import RAM_TIER, Block, BlockStore, Namespace, TierCounters
-from kvtierd.errors import InvalidArgument
+from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.fs_index import FsEntry
+from kvtierd.fs_tier import FS_TIER, FsTier
 from kvtierd.metrics import Metrics
 from kvtierd.rpc import unary
 from kvtierd.sessions import SessionRegistry
@@ -26,13 +28,20 @@ MAX_PAGE_SIZE = 10_000
 
 class AdminService(pb_grpc.KVTierAdminServicer):
     def __init__(
-        self, store: BlockStore, pool: SharedPool, sessions: SessionRegistry, metrics: Metrics, info: pb.GetInfoResponse
+        self,
+        store: BlockStore,
+        pool: SharedPool,
+        sessions: SessionRegistry,
+        metrics: Metrics,
+        info: pb.GetInfoResponse,
+        fs: FsTier | None = None,
     ) -> None:
         self.store = store
         self.pool = pool
         self.sessions = sessions
         self.metrics = metrics
         self.info = info
+        self.fs = fs
 
     @unary
     def GetInfo(self, request, context) -> pb.GetInfoResponse:  # noqa: N802
@@ -52,25 +61,47 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         )
         blocks = used = 0
         for ns in selected:
-            stats = self._tier_stats(ns.counters, len(ns.blocks), len(ns.blocks) * ns.block_bytes)
-            response.namespaces.add(namespace=ns.id, model_id=ns.spec.model_id, tiers=[stats])
+            tiers = [self._tier_stats(ns.counters, len(ns.blocks), len(ns.blocks) * ns.block_bytes)]
+            if self.fs is not None:
+                tiers.append(self._fs_stats(ns.id))
+            response.namespaces.add(namespace=ns.id, model_id=ns.spec.model_id, tiers=tiers)
             totals.add(ns.counters)
             blocks += len(ns.blocks)
             used += len(ns.blocks) * ns.block_bytes
         response.tiers.append(self._tier_stats(totals, blocks, used))
+        if self.fs is not None:
+            fs_total = self._fs_stats(request.namespace or None)
+            fs_total.io_errors = self.fs.health.read_errors + self.fs.health.write_errors
+            fs_total.stores_paused = self.fs.health.paused
+            response.tiers.append(fs_total)
         return response
 
     def _tier_stats(self, counters: TierCounters, blocks: int, used: int) -> pb.TierStats:
-        asked = counters.hits + counters.misses
-        return pb.TierStats(
-            tier=RAM_TIER,
+        return _stats(
+            RAM_TIER,
+            counters.hits,
+            counters.misses,
             blocks=blocks,
             bytes=used,
             capacity_bytes=self.store.capacity_bytes,
-            hits=counters.hits,
-            misses=counters.misses,
-            hit_ratio=counters.hits / asked if asked else 0.0,
             evictions=counters.evictions,
+            stored_blocks=counters.stored_blocks,
+            loaded_blocks=counters.loaded_blocks,
+        )
+
+    def _fs_stats(self, ns_id: str | None) -> pb.TierStats:
+        counters, blocks, used = self.fs.totals(ns_id)
+        return _stats(
+            FS_TIER,
+            counters.hits,
+            counters.misses,
+            blocks=blocks,
+            bytes=used,
+            capacity_bytes=self.fs.settings.capacity,
+            evictions=counters.evictions,
+            stored_blocks=counters.stored_blocks,
+            loaded_blocks=counters.loaded_blocks,
+            checksum_failures=counters.checksum_failures,
         )
 
     @unary
@@ -97,45 +128,93 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         if not token.isdigit():
             raise InvalidArgument(f"bad page_token {request.page_token!r}")
         offset = int(token)
+        tier = self._tier(request.tier)
         store = self.store
-        blocks = list(store.committed_blocks(ns))
+        blocks = list(store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
+        entries = self.fs.index.entries(ns.id if ns else None) if self.fs is not None and tier in ("", FS_TIER) else []
         slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
+        last_access = np.concatenate(
+            [store.last_access[slots], np.fromiter((e.last_access for e in entries), dtype=np.float64, count=len(entries))]
+        )
+        hits = np.concatenate(
+            [store.hits[slots].astype(np.int64), np.fromiter((e.hits for e in entries), dtype=np.int64, count=len(entries))]
+        )
         if request.order == pb.BLOCK_ORDER_HITS:
-            order = np.lexsort((-store.last_access[slots], -store.hits[slots].astype(np.int64)))
+            order = np.lexsort((-last_access, -hits))
         else:
-            order = np.argsort(-store.last_access[slots], kind="stable")
-        page = [blocks[i] for i in order[offset : offset + page_size].tolist()]
-        response = pb.ListBlocksResponse(blocks=[_block_info(store, b) for b in page], total=len(blocks))
-        if offset + page_size < len(blocks):
+            order = np.argsort(-last_access, kind="stable")
+        total = len(blocks) + len(entries)
+        page = order[offset : offset + page_size].tolist()
+        infos = [_block_info(store, blocks[i]) if i < len(blocks) else self._fs_info(entries[i - len(blocks)]) for i in page]
+        response = pb.ListBlocksResponse(blocks=infos, total=total)
+        if offset + page_size < total:
             response.next_page_token = str(offset + page_size)
         return response
 
+    def _tier(self, tier: str) -> str:
+        if tier not in ("", RAM_TIER, FS_TIER):
+            raise InvalidArgument(f"tier must be {RAM_TIER!r}, {FS_TIER!r} or empty, not {tier!r}")
+        if tier == FS_TIER and self.fs is None:
+            raise FailedPrecondition("the filesystem tier is off (start the daemon with --fs-path)")
+        return tier
+
+    def _fs_info(self, entry: FsEntry) -> pb.BlockInfo:
+        ns = self.store.namespaces.get(entry.namespace)
+        return pb.BlockInfo(
+            namespace=entry.namespace,
+            hash=entry.hash,
+            tier=FS_TIER,
+            size_bytes=ns.block_bytes if ns is not None else 0,
+            hits=entry.hits,
+            created_at=entry.created_at,
+            last_access_at=entry.last_access,
+        )
+
     @unary
-    def InspectBlock(self, request: pb.InspectBlockRequest, context) -> pb.InspectBlockResponse:  # noqa: N802
+    async def InspectBlock(self, request: pb.InspectBlockRequest, context) -> pb.InspectBlockResponse:  # noqa: N802
         ns = self.store.namespace(request.namespace)
-        block = self.store.find_block(ns, request.hash)
-        data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
+        tier = self._tier(request.tier)
+        on_disk = self.fs is not None and self.fs.index.get(ns.id, request.hash) is not None
+        if tier == RAM_TIER or (tier == "" and (request.hash in ns.blocks or not on_disk)):
+            block = self.store.find_block(ns, request.hash)
+            data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
+            return pb.InspectBlockResponse(
+                block=_block_info(self.store, block),
+                page_ids=block.pages,
+                checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
+                stored_checksum=int(self.store.checksum[block.slot]),
+                checksum=int(checksum.block_checksums(data)[0]),
+            )
+        if len(request.hash) != ns.hash_bytes:
+            raise InvalidArgument(f"hash has {len(request.hash)} bytes; the namespace's hashes have {ns.hash_bytes}")
+        entry, data, header = await self.fs.inspect(ns, request.hash)
         return pb.InspectBlockResponse(
-            block=_block_info(self.store, block),
-            page_ids=block.pages,
+            block=self._fs_info(entry),
             checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
-            stored_checksum=int(self.store.checksum[block.slot]),
-            checksum=int(checksum.block_checksums(data)[0]),
+            stored_checksum=header.checksum,
+            checksum=int(checksum.block_checksums(data[np.newaxis])[0]),
         )
 
     @unary
     def DeleteBlocks(self, request: pb.DeleteBlocksRequest, context) -> pb.DeleteBlocksResponse:  # noqa: N802
         ns = self.store.namespace(request.namespace)
-        deleted = self.store.delete(ns, self.store.split_hashes(ns, request.hashes))
-        log.info("blocks deleted", extra={"namespace": ns.id, "deleted": deleted, "peer": context.peer()})
-        return pb.DeleteBlocksResponse(deleted_count=deleted)
+        hashes = self.store.split_hashes(ns, request.hashes)
+        deleted = {h for h in hashes if h in ns.blocks}
+        self.store.delete(ns, hashes)
+        if self.fs is not None:
+            deleted |= self.fs.delete(ns.id, hashes)
+        log.info("blocks deleted", extra={"namespace": ns.id, "deleted": len(deleted), "peer": context.peer()})
+        return pb.DeleteBlocksResponse(deleted_count=len(deleted))
 
     @unary
     def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:  # noqa: N802
         if request.all == bool(request.namespace):
             raise InvalidArgument("give either a namespace or all=true")
         ns: Namespace | None = None if request.all else self.store.namespace(request.namespace)
-        deleted = self.store.clear(ns)
+        in_pool = {n.id: set(n.blocks) for n in ([ns] if ns is not None else self.store.namespaces.values())}
+        self.store.clear(ns)
+        on_disk = self.fs.clear(ns.id if ns is not None else None) if self.fs is not None else {}
+        deleted = sum(len(in_pool.get(n, set()) | on_disk.get(n, set())) for n in in_pool.keys() | on_disk.keys())
         log.info("cache cleared", extra={"namespace": ns.id if ns else "*", "deleted": deleted, "peer": context.peer()})
         return pb.ClearResponse(deleted_count=deleted)
 
@@ -175,3 +254,8 @@ def _block_info(store: BlockStore, block: Block) -> pb.BlockInfo:
         last_access_at=float(store.last_access[slot]),
         pins=int(store.pins[slot]),
     )
+
+
+def _stats(tier: str, hits: int, misses: int, **values: int) -> pb.TierStats:
+    asked = hits + misses
+    return pb.TierStats(tier=tier, hits=hits, misses=misses, hit_ratio=hits / asked if asked else 0.0, **values)

@@ -125,7 +125,7 @@ class PoolUsage:
     pinned_blocks: int
 
 
-def _until_repeat(hashes: list[bytes]) -> list[bytes]:
+def until_repeat(hashes: list[bytes]) -> list[bytes]:
     """A prefix chain never repeats a hash; cut a batch at its first repeat so slots stay distinct."""
     if len(set(hashes)) == len(hashes):
         return hashes
@@ -173,6 +173,9 @@ class BlockStore:
         self._ids = itertools.count(1)
         self._reserved_pages = 0
         self._orphan_pages = 0
+        # Called with the blocks about to be evicted, while their pages still hold their bytes (the
+        # filesystem tier copies them out for demotion); the pages are reused as soon as it returns.
+        self.on_evict: Callable[[list[Block]], None] | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -218,7 +221,7 @@ class BlockStore:
     def lookup(self, session_id: str, ns: Namespace, hashes: list[bytes], pin: bool) -> tuple[int, Lease | None]:
         """Count the leading hashes that are committed; with `pin`, pin them under a new lease."""
         if pin:  # a lease pins each block once
-            hashes = _until_repeat(hashes)
+            hashes = until_repeat(hashes)
         hit: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, hashes)))
         counters = ns.counters
         counters.lookups += 1
@@ -248,12 +251,45 @@ class BlockStore:
     def release(self, session_id: str, lease_id: int) -> None:
         self._end_lease(self.lease(session_id, lease_id))
 
+    def extend_lease(self, session_id: str, ns: Namespace, lease: Lease | None, hashes: list[bytes]) -> Lease | None:
+        """Pin the leading committed blocks of `hashes` too (blocks just promoted from disk, following
+        the prefix `lease` holds); returns the lease holding them all (a new one when `lease` is None)."""
+        if lease is not None and self._leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} ended while blocks were read from disk")
+        held = {b.hash for b in lease.blocks} if lease is not None else set()
+        more: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, until_repeat(hashes))))
+        cut = next((i for i, b in enumerate(more) if b.hash in held), len(more))
+        more = more[:cut]
+        if not more:
+            return lease
+        slots = np.fromiter(map(_slot_of, more), dtype=np.int64, count=len(more))
+        self.hits[slots] += 1
+        self.last_access[slots] = time.time()
+        self._pin(slots)
+        if lease is None:
+            lease = Lease(next(self._ids), session_id, ns, [], self._clock() + self.lease_ttl)
+            self._leases[lease.id] = lease
+        lease.blocks.extend(more)
+        return lease
+
+    def hold(self, blocks: list[Block]) -> Hold:
+        """Pin committed blocks for the daemon itself (a write to disk reading their pages): the hold
+        belongs to no session and never expires; end it with `unhold`."""
+        hold = Hold(next(self._ids), "", blocks[0].namespace, blocks, float("inf"))
+        self._pin(hold.slots)
+        return hold
+
+    def unhold(self, hold: Hold) -> None:
+        self._unpin(hold.slots)
+
     def note_loaded(self, lease: Lease) -> None:
         lease.namespace.counters.loaded_blocks += len(lease.blocks)
 
     def _end_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
-        slots = lease.slots  # distinct: lookups stop at a repeated hash
+        self._unpin(lease.slots)  # distinct: lookups stop at a repeated hash
+
+    def _unpin(self, slots: np.ndarray) -> None:
         self.pins[slots] -= 1
         unpinned = slots[self.pins[slots] == 0]
         states = self.state[unpinned]
@@ -269,7 +305,8 @@ class BlockStore:
 
     # ------------------------------------------------------------------ two-phase store
 
-    def reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
+    def reserve(self, session_id: str, ns: Namespace, hashes: list[bytes], admit_all: bool = False) -> ReserveResult:
+        """Reserve pages for the hashes not present; `admit_all` skips --store-threshold (promotions)."""
         count = len(hashes)
         statuses = np.full(count, pb.BLOCK_STATUS_RESERVED, dtype=np.uint8)
         statuses[np.fromiter(map(ns.blocks.__contains__, hashes), dtype=bool, count=count)] = pb.BLOCK_STATUS_PRESENT
@@ -279,7 +316,7 @@ class BlockStore:
             repeated = [i for i, h in enumerate(hashes) if first[h] != i]
             statuses[repeated] = pb.BLOCK_STATUS_IN_PROGRESS
         wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
-        if self.store_threshold > 1:
+        if self.store_threshold > 1 and not admit_all:
             refused = [i for i in wanted.tolist() if not self._admit(ns, hashes[i])]
             statuses[refused] = pb.BLOCK_STATUS_NOT_ADMITTED
             wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
@@ -384,11 +421,18 @@ class BlockStore:
     # ------------------------------------------------------------------ eviction and deletion
 
     def _make_room(self, pages: int) -> None:
-        while self.pages.free < pages:
+        victims: list[Block] = []
+        short = pages - self.pages.free
+        while short > 0:  # every block in the policy is unpinned: dropping it frees its pages at once
             slot = self.policy.pop_victim()
             if slot is None:
-                return
+                break
             victim = self.block_at[slot]
+            victims.append(victim)
+            short -= victim.namespace.pages_per_block
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        for victim in victims:
             victim.namespace.counters.evictions += 1
             self._drop(victim, in_policy=False)
 

@@ -58,6 +58,15 @@ class Config:
     max_batch_blocks: int = _option(4096, "Most block hashes one call may carry.", int)
     max_message_size: int = _option(64 << 20, "Largest gRPC message (bounds inline transfers).", parse_size)
     max_namespaces: int = _option(64, "Most namespaces the daemon keeps.", int)
+    fs_path: str = _option("", "Directory of the filesystem tier behind the pool (off unless given).")
+    fs_size: int = _option(0, "Most bytes the filesystem tier may hold, e.g. 500GiB (needed with --fs-path).", parse_size)
+    fs_eviction: str = _option("lru", "Eviction policy of the filesystem tier.", str, ("lru", "arc"))
+    fs_write_through: bool = _option(False, "Also write every committed block to disk (not only evicted ones).", _parse_bool)
+    fs_io_threads: int = _option(8, "Threads doing the filesystem tier's file I/O.", int)
+    fs_direct_io: bool = _option(False, "Use O_DIRECT for block files where the filesystem allows it.", _parse_bool)
+    fs_queue_size: int = _option(
+        1 << 30, "Most bytes of evicted blocks waiting to be written to disk; later victims are not demoted.", parse_size
+    )
     metrics_host: str = _option("127.0.0.1", "Address of the Prometheus metrics HTTP listener.")
     metrics_port: int = _option(9464, "Prometheus metrics port (0: any free port, -1: off).", int)
     log_level: str = _option("info", "Log level.", str, ("debug", "info", "warning", "error"))
@@ -147,5 +156,9 @@ def _validate(config: Config) -> None:
         problems.append("lease_ttl must be > 0")
     if config.max_batch_blocks < 1 or config.max_namespaces < 1:
         problems.append("max_batch_blocks and max_namespaces must be >= 1")
+    if config.fs_path and config.fs_size <= 0:
+        problems.append("fs_size must be given (> 0) with fs_path")
+    if config.fs_io_threads < 1:
+        problems.append("fs_io_threads must be >= 1")
     if problems:
         raise SystemExit("kvtierd: " + "; ".join(problems))

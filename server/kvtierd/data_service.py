@@ -12,8 +12,9 @@ from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
-from kvtierd.block_store import BlockStore, Lease, Namespace
+from kvtierd.block_store import BlockStore, Lease, Namespace, until_repeat
 from kvtierd.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtierd.fs_tier import FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
 from kvtierd.rpc import unary
@@ -35,6 +36,7 @@ class DataService(pb_grpc.KVTierServicer):
         metrics: Metrics,
         limits: pb.Limits,
         pool_info: pb.PoolInfo,
+        fs: FsTier | None,
         gpu: GpuTransfers,
     ) -> None:
         self.store = store
@@ -43,6 +45,7 @@ class DataService(pb_grpc.KVTierServicer):
         self.metrics = metrics
         self.limits = limits
         self.pool_info = pool_info
+        self.fs = fs
         self.gpu = gpu
         self._closing = asyncio.Event()
 
@@ -108,20 +111,39 @@ class DataService(pb_grpc.KVTierServicer):
         return session, ns
 
     @unary
-    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
-        return self._lookup(session, ns, request.hashes, request.pin)
+        return await self._lookup(session, ns, request.hashes, request.pin)
 
     @unary
-    def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
+    async def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         if len(request.queries) > self.limits.max_batch_blocks:
             raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
-        return pb.LookupBatchResponse(results=[self._lookup(session, ns, query, request.pin) for query in request.queries])
+        if self.fs is not None and request.pin:  # promotions of different queries run in parallel
+            results = await asyncio.gather(*(self._lookup(session, ns, query, True) for query in request.queries))
+        else:
+            results = [await self._lookup(session, ns, query, request.pin) for query in request.queries]
+        return pb.LookupBatchResponse(results=results)
 
-    def _lookup(self, session: Session, ns: Namespace, hashes: bytes, pin: bool) -> pb.LookupResponse:
+    async def _find(self, session_id: str, ns: Namespace, blocks: list[bytes], pin: bool) -> tuple[int, Lease | None]:
+        """The longest prefix present in either tier; with `pin`, its blocks on disk are promoted into the
+        pool (read in parallel) and the whole prefix pinned under one lease."""
+        if pin:
+            blocks = until_repeat(blocks)
+        hit, lease = self.store.lookup(session_id, ns, blocks, pin)
+        if self.fs is None or hit == len(blocks):
+            return hit, lease
+        more, from_disk = self.fs.lookup(ns, blocks[hit:])
+        if not pin or not from_disk:
+            return hit + more, lease
+        await self.fs.promote(ns, from_disk)
+        lease = self.store.extend_lease(session_id, ns, lease, blocks[hit : hit + more])
+        return (len(lease.blocks) if lease is not None else 0), lease
+
+    async def _lookup(self, session: Session, ns: Namespace, hashes: bytes, pin: bool) -> pb.LookupResponse:
         blocks = self.store.split_hashes(ns, hashes)
-        hit, lease = self.store.lookup(session.id, ns, blocks, pin)
+        hit, lease = await self._find(session.id, ns, blocks, pin)
         counters = session.counters
         counters.lookups += 1
         counters.hit_blocks += hit
@@ -151,7 +173,7 @@ class DataService(pb_grpc.KVTierServicer):
             if lease.namespace is not ns:
                 raise InvalidArgument(f"lease {lease.id} is for namespace {lease.namespace.id}, not {ns.id}")
         else:
-            _, lease = self.store.lookup(session.id, ns, self.store.split_hashes(ns, request.hashes), pin=True)
+            _, lease = await self._find(session.id, ns, self.store.split_hashes(ns, request.hashes), pin=True)
             if lease is None:
                 return pb.LoadResponse(block_count=0)
         self.store.note_loaded(lease)
@@ -239,10 +261,7 @@ class DataService(pb_grpc.KVTierServicer):
         except BaseException:
             self.store.abort(session.id, reservation.id)
             raise
-        committed = self.store.commit(session.id, reservation.id, sums)
-        session.counters.stored_blocks += committed
-        session.counters.stored_bytes += committed * ns.block_bytes
-        response.committed_count = committed
+        response.committed_count = self._commit(session, reservation, sums)
         return response
 
     @unary
@@ -272,10 +291,15 @@ class DataService(pb_grpc.KVTierServicer):
             sums = checksum.decode(request.checksums) if len(request.checksums) % 8 == 0 else None
             if sums is None:
                 raise InvalidArgument(f"checksums field has {len(request.checksums)} bytes, not a multiple of 8")
+        return pb.CommitResponse(committed_count=self._commit(session, reservation, sums))
+
+    def _commit(self, session: Session, reservation, sums: np.ndarray) -> int:
         committed = self.store.commit(session.id, reservation.id, sums)
+        if self.fs is not None:
+            self.fs.write_through(reservation.namespace, reservation.blocks)
         session.counters.stored_blocks += committed
-        session.counters.stored_bytes += committed * ns.block_bytes
-        return pb.CommitResponse(committed_count=committed)
+        session.counters.stored_bytes += committed * reservation.namespace.block_bytes
+        return committed
 
     @unary
     def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:  # noqa: N802

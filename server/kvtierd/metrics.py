@@ -7,64 +7,107 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvtierd.block_store import RAM_TIER, BlockStore
+from kvtierd.fs_index import FsCounters
+from kvtierd.fs_tier import FS_TIER, FsTier
 from kvtierd.sessions import SessionRegistry
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
 class IndexCollector:
-    def __init__(self, store: BlockStore, sessions: SessionRegistry) -> None:
+    def __init__(self, store: BlockStore, sessions: SessionRegistry, fs: FsTier | None) -> None:
         self._store = store
         self._sessions = sessions
+        self._fs = fs
 
     def collect(self):
         store = self._store
         namespaces = list(store.namespaces.values())
+        fs_counters, fs_blocks, _ = self._fs.totals(None) if self._fs is not None else (None, 0, 0)
 
-        def tier_counter(name: str, doc: str, value: int) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["tier"])
-            family.add_metric([RAM_TIER], value)
+        def per_tier(family, ram: float, fs: float | None = None):
+            family.add_metric([RAM_TIER], ram)
+            if self._fs is not None and fs is not None:
+                family.add_metric([FS_TIER], fs)
             return family
 
-        def total(attr: str) -> int:
-            return sum(getattr(ns.counters, attr) for ns in namespaces)
+        def tier_counter(name: str, doc: str, attr: str, fs_attr: str | None = None) -> CounterMetricFamily:
+            ram = sum(getattr(ns.counters, attr) for ns in namespaces)
+            fs = getattr(fs_counters, fs_attr or attr) if fs_counters is not None else None
+            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
 
-        def total_bytes(attr: str) -> int:
-            return sum(getattr(ns.counters, attr) * ns.block_bytes for ns in namespaces)
+        def tier_bytes(name: str, doc: str, attr: str) -> CounterMetricFamily:
+            ram = sum(getattr(ns.counters, attr) * ns.block_bytes for ns in namespaces)
+            fs = None
+            if self._fs is not None:
+                fs = sum(getattr(self._fs.index.counters[ns.id], attr) * ns.block_bytes for ns in namespaces)
+            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
 
-        yield CounterMetricFamily("kvtierd_lookup_requests", "Lookup calls served.", value=total("lookups"))
-        yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", total("hits"))
-        yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", total("misses"))
-        yield tier_counter("kvtierd_stored_blocks", "Blocks committed.", total("stored_blocks"))
-        yield tier_counter("kvtierd_stored_bytes", "Bytes committed.", total_bytes("stored_blocks"))
-        yield tier_counter("kvtierd_loaded_blocks", "Blocks handed out for loads.", total("loaded_blocks"))
-        yield tier_counter("kvtierd_loaded_bytes", "Bytes handed out for loads.", total_bytes("loaded_blocks"))
-        yield tier_counter("kvtierd_evicted_blocks", "Blocks evicted to make room.", total("evictions"))
         yield CounterMetricFamily(
-            "kvtierd_not_admitted_blocks", "Store offers refused by --store-threshold.", value=total("not_admitted")
+            "kvtierd_lookup_requests", "Lookup calls served.", value=sum(ns.counters.lookups for ns in namespaces)
+        )
+        yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", "hits")
+        yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", "misses")
+        yield tier_counter("kvtierd_stored_blocks", "Blocks committed to the pool or written to disk.", "stored_blocks")
+        yield tier_bytes("kvtierd_stored_bytes", "Bytes committed to the pool or written to disk.", "stored_blocks")
+        yield tier_counter("kvtierd_loaded_blocks", "Blocks handed out for loads or promoted from disk.", "loaded_blocks")
+        yield tier_bytes("kvtierd_loaded_bytes", "Bytes handed out for loads or promoted from disk.", "loaded_blocks")
+        yield tier_counter("kvtierd_evicted_blocks", "Blocks evicted to make room.", "evictions")
+        yield CounterMetricFamily(
+            "kvtierd_not_admitted_blocks",
+            "Store offers refused by --store-threshold.",
+            value=sum(ns.counters.not_admitted for ns in namespaces),
         )
         usage = store.usage()
-        used = GaugeMetricFamily("kvtierd_tier_used_bytes", "Bytes of the tier in use (pages held).", labels=["tier"])
-        used.add_metric([RAM_TIER], usage.used_pages * store.page_size)
-        yield used
-        capacity = GaugeMetricFamily("kvtierd_tier_capacity_bytes", "Capacity of the tier.", labels=["tier"])
-        capacity.add_metric([RAM_TIER], store.capacity_bytes)
-        yield capacity
-        blocks = GaugeMetricFamily("kvtierd_tier_blocks", "Committed blocks in the tier.", labels=["tier"])
-        blocks.add_metric([RAM_TIER], sum(len(ns.blocks) for ns in namespaces))
-        yield blocks
+        fs_index = self._fs.index if self._fs is not None else None
+        yield per_tier(
+            GaugeMetricFamily("kvtierd_tier_used_bytes", "Bytes of the tier in use.", labels=["tier"]),
+            usage.used_pages * store.page_size,
+            fs_index.used_bytes if fs_index is not None else None,
+        )
+        yield per_tier(
+            GaugeMetricFamily("kvtierd_tier_capacity_bytes", "Capacity of the tier.", labels=["tier"]),
+            store.capacity_bytes,
+            fs_index.capacity if fs_index is not None else None,
+        )
+        yield per_tier(
+            GaugeMetricFamily("kvtierd_tier_blocks", "Committed blocks in the tier.", labels=["tier"]),
+            sum(len(ns.blocks) for ns in namespaces),
+            fs_blocks,
+        )
         yield GaugeMetricFamily(
             "kvtierd_reserved_bytes", "Pool bytes held by open reservations.", value=usage.reserved_pages * store.page_size
         )
         yield GaugeMetricFamily("kvtierd_pinned_blocks", "Blocks pinned by open leases.", value=usage.pinned_blocks)
         yield GaugeMetricFamily("kvtierd_namespaces", "Namespaces known.", value=len(namespaces))
         yield GaugeMetricFamily("kvtierd_engines_connected", "Engine sessions open.", value=len(self._sessions))
+        if self._fs is not None:
+            yield from _fs_metrics(self._fs, fs_counters)
+
+
+def _fs_metrics(fs: FsTier, counters: FsCounters):
+    health = fs.health
+    yield CounterMetricFamily(
+        "kvtierd_fs_checksum_failures",
+        "Block files found corrupt or truncated on read (deleted).",
+        value=counters.checksum_failures,
+    )
+    errors = CounterMetricFamily("kvtierd_fs_io_errors", "Failed block file reads and writes.", labels=["op"])
+    errors.add_metric(["read"], health.read_errors)
+    errors.add_metric(["write"], health.write_errors)
+    yield errors
+    skipped = CounterMetricFamily("kvtierd_fs_skipped_blocks", "Blocks not written to disk, by reason.", labels=["reason"])
+    for reason in ("paused", "queue_full", "tier_full"):
+        skipped.add_metric([reason], health.skipped[reason])
+    yield skipped
+    yield GaugeMetricFamily("kvtierd_fs_stores_paused", "1 while writes to disk are paused after a failure.", value=health.paused)
+    yield GaugeMetricFamily("kvtierd_fs_queue_bytes", "Bytes of evicted blocks waiting to be written.", value=fs.queued_bytes)
 
 
 class Metrics:
-    def __init__(self, store: BlockStore, sessions: SessionRegistry) -> None:
+    def __init__(self, store: BlockStore, sessions: SessionRegistry, fs: FsTier | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(IndexCollector(store, sessions))
+        self.registry.register(IndexCollector(store, sessions, fs))
         self.rpc_duration = Histogram(
             "kvtierd_rpc_duration_seconds",
             "Server-side time of each RPC.",

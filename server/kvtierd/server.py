@@ -11,6 +11,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,8 @@ from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
 from kvtierd.config import Config
 from kvtierd.data_service import DataService
+from kvtierd.errors import KVTierError
+from kvtierd.fs_tier import FsSettings, FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
 from kvtierd.sessions import SessionRegistry
@@ -50,6 +53,7 @@ class Daemon:
     health: health.aio.HealthServicer
     metrics_port: int
     data: DataService
+    fs: FsTier | None
 
 
 def prepare_socket(path) -> None:
@@ -92,8 +96,9 @@ def build(config: Config) -> Daemon:
         max_namespaces=config.max_namespaces,
         max_batch_blocks=config.max_batch_blocks,
     )
+    fs = open_fs_tier(config, pool, store) if config.fs_path else None
     sessions = SessionRegistry()
-    metrics = Metrics(store, sessions)
+    metrics = Metrics(store, sessions, fs)
     metrics_port = -1
     if config.metrics_port >= 0:
         http_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
@@ -133,16 +138,37 @@ def build(config: Config) -> Daemon:
         ]
     )
     gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered)
-    data = DataService(store, pool, sessions, metrics, limits, pool_info, gpu)
+    data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu)
     pb_grpc.add_KVTierServicer_to_server(data, server)
-    pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info), server)
+    pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info, fs), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.add_insecure_port(f"unix://{config.socket}")
     if config.listen:
         server.add_insecure_port(config.listen)
-    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data)
+    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs)
+
+
+def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
+    """Index the filesystem tier, register the namespaces it holds and demote the pool's victims to it."""
+    settings = FsSettings(
+        root=Path(config.fs_path),
+        capacity=config.fs_size,
+        eviction=config.fs_eviction,
+        write_through=config.fs_write_through,
+        io_threads=config.fs_io_threads,
+        direct_io=config.fs_direct_io,
+        queue_bytes=config.fs_queue_size,
+    )
+    fs = FsTier(settings, pool, store)
+    for spec in fs.open():
+        try:
+            store.register(spec)
+        except KVTierError as exc:
+            log.warning("fs tier namespace not served", extra={"model": spec.model_id, "reason": str(exc)})
+    store.on_evict = fs.on_evict
+    return fs
 
 
 async def expire_leases(daemon: Daemon) -> None:
@@ -180,6 +206,7 @@ async def serve(config: Config) -> None:
             "pool_file": str(daemon.pool.path),
             "cuda_registered": daemon.pool.cuda is not None and daemon.pool.cuda.active,
             "eviction": config.eviction,
+            "fs_path": config.fs_path or "off",
         },
     )
     await stop.wait()
@@ -189,6 +216,8 @@ async def serve(config: Config) -> None:
     await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
     expiry.cancel()
     daemon.data.gpu.close()
+    if daemon.fs is not None:
+        await daemon.fs.close(SHUTDOWN_GRACE_SECONDS)
     daemon.pool.close()
     config.socket.unlink(missing_ok=True)
     log.info("stopped")

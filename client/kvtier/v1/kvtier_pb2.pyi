@@ -413,7 +413,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., config: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ..., socket_path: _Optional[str] = ..., tcp_listen: _Optional[str] = ..., metrics_port: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "hits", "misses", "hit_ratio", "evictions")
+    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "hits", "misses", "hit_ratio", "evictions", "checksum_failures", "io_errors", "stores_paused", "stored_blocks", "loaded_blocks")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +422,11 @@ class TierStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    STORES_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     blocks: int
     bytes: int
@@ -430,7 +435,12 @@ class TierStats(_message.Message):
     misses: int
     hit_ratio: float
     evictions: int
-    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., evictions: _Optional[int] = ...) -> None: ...
+    checksum_failures: int
+    io_errors: int
+    stores_paused: bool
+    stored_blocks: int
+    loaded_blocks: int
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., io_errors: _Optional[int] = ..., stores_paused: _Optional[bool] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace", "model_id", "tiers")
@@ -511,16 +521,18 @@ class BlockInfo(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., hash: _Optional[bytes] = ..., tier: _Optional[str] = ..., size_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access_at: _Optional[float] = ..., pins: _Optional[int] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "order", "page_size", "page_token")
+    __slots__ = ("namespace", "order", "page_size", "page_token", "tier")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     order: BlockOrder
     page_size: int
     page_token: str
-    def __init__(self, namespace: _Optional[str] = ..., order: _Optional[_Union[BlockOrder, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, namespace: _Optional[str] = ..., order: _Optional[_Union[BlockOrder, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ListBlocksResponse(_message.Message):
     __slots__ = ("blocks", "next_page_token", "total")
@@ -533,12 +545,14 @@ class ListBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class InspectBlockRequest(_message.Message):
-    __slots__ = ("namespace", "hash")
+    __slots__ = ("namespace", "hash", "tier")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hash: bytes
-    def __init__(self, namespace: _Optional[str] = ..., hash: _Optional[bytes] = ...) -> None: ...
+    tier: str
+    def __init__(self, namespace: _Optional[str] = ..., hash: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class InspectBlockResponse(_message.Message):
     __slots__ = ("block", "page_ids", "checksum_xxh3", "stored_checksum", "checksum")

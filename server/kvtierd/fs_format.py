@@ -1,0 +1,322 @@
+"""On-disk format of the filesystem tier: one file per block, written atomically, verified on every read.
+
+Layout under --fs-path (every component is our own hex, so no client string can steer a path):
+
+    <digest>/namespace.pb           the NamespaceSpec, so a restarted daemon knows the namespace
+    <digest>/<hh>/<hash hex>.kvb    one block; hh is the hash's first byte in hex (256 fan-out dirs)
+
+A block file is b"KVTB", a little-endian uint32 header length, the msgpack header (format version,
+namespace digest, hash, length, xxh3-64 of the bytes, kvtier checksum, created time, data offset),
+zero padding up to the data offset, then the block's raw bytes. The data offset is 4096 for files
+written with O_DIRECT (so data reads can be direct too), else right after the header.
+
+Writes go to a `.tmp` name, are fsync'd, renamed into place and the directory fsync'd: a crash at any
+moment leaves no file (maybe a stray .tmp, removed at the next start) or the complete block. Reads
+check the header and the xxh3 of the bytes; anything else raises BadBlock.
+
+Everything here is blocking file I/O, called on the tier's thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import xxhash
+
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.namespace import namespace_digest
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+SPEC_FILE = "namespace.pb"
+_PREFIX = struct.Struct("<4sI")
+_IOV_MAX = 1024
+_FANOUT = [f"{i:02x}" for i in range(256)]
+
+
+class BadBlock(Exception):
+    """The file is not an intact copy of the block: torn, truncated, corrupt or for another block."""
+
+
+@dataclass(frozen=True)
+class Header:
+    namespace: str
+    hash: bytes
+    length: int
+    xxh3: int
+    checksum: int  # the kvtier checksum given at commit (0: none), handed to loaders after promotion
+    created_at: float
+    data_offset: int
+
+
+def align_up(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def charged_bytes(block_bytes: int) -> int:
+    """Disk bytes a block is counted for against --fs-size: its data plus one 4 KiB header, rounded up."""
+    return ALIGN + align_up(block_bytes)
+
+
+def aligned_empty(size: int) -> np.ndarray:
+    """An uninitialised uint8 buffer whose address is a multiple of ALIGN (for O_DIRECT)."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + size]
+
+
+def namespace_dir(root: Path, digest: str) -> Path:
+    return root / digest
+
+
+def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
+    return root / digest / _FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _trim(segments: Sequence[memoryview], total: int) -> list[memoryview]:
+    """The leading `total` bytes of `segments`, as a list of views."""
+    out, left = [], total
+    for segment in segments:
+        if left <= 0:
+            break
+        take = min(len(segment), left)
+        out.append(segment[:take])
+        left -= take
+    if left > 0:
+        raise ValueError(f"segments hold {total - left} bytes, {total} needed")
+    return out
+
+
+def _xxh3(segments: Sequence[memoryview]) -> int:
+    hasher = xxhash.xxh3_64()
+    for segment in segments:
+        hasher.update(segment)
+    return hasher.intdigest()
+
+
+def _pwritev_all(fd: int, segments: list[memoryview], offset: int) -> None:
+    while segments:
+        chunk = segments[:_IOV_MAX]
+        written = os.pwritev(fd, chunk, offset)
+        offset += written
+        for i, segment in enumerate(chunk):  # drop what was written; keep the rest of a partly written one
+            if written < len(segment):
+                segments = [segment[written:], *chunk[i + 1 :], *segments[len(chunk) :]]
+                break
+            written -= len(segment)
+        else:
+            segments = segments[len(chunk) :]
+
+
+def _preadv_all(fd: int, segments: list[memoryview], offset: int) -> int:
+    """Fill `segments` from `offset`; returns the bytes read (fewer only at end of file)."""
+    total = 0
+    for start in range(0, len(segments), _IOV_MAX):
+        chunk = segments[start : start + _IOV_MAX]
+        wanted = sum(map(len, chunk))
+        got = os.preadv(fd, chunk, offset + total)
+        total += got
+        if got < wanted:
+            break
+    return total
+
+
+def write_spec(root: Path, spec: pb.NamespaceSpec) -> None:
+    """Create a namespace's directories and its spec file (idempotent)."""
+    directory = namespace_dir(root, namespace_digest(spec))
+    if (directory / SPEC_FILE).exists():
+        return
+    for name in _FANOUT:
+        (directory / name).mkdir(parents=True, exist_ok=True)
+    temporary = directory / f"{SPEC_FILE}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+    with open(temporary, "wb") as f:
+        f.write(spec.SerializeToString())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(temporary, directory / SPEC_FILE)
+    _fsync_dir(directory)
+    _fsync_dir(root)
+
+
+def read_spec(directory: Path) -> pb.NamespaceSpec | None:
+    """The namespace a directory holds, or None when its spec file is missing or does not match its name."""
+    try:
+        spec = pb.NamespaceSpec.FromString((directory / SPEC_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return spec if namespace_digest(spec) == directory.name else None
+
+
+def probe_direct_io(root: Path) -> bool:
+    """Whether the filesystem under `root` takes O_DIRECT writes and reads."""
+    path = root / f".direct-probe{TMP_SUFFIX}"
+    buffer = aligned_empty(ALIGN)
+    buffer[:] = 0
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            os.pwritev(fd, [memoryview(buffer)], 0)
+            os.preadv(fd, [memoryview(buffer)], 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def write_block(
+    path: Path,
+    digest: str,
+    block_hash: bytes,
+    length: int,
+    checksum: int,
+    created_at: float,
+    segments: Sequence[memoryview],
+    direct: bool,
+    durable: bool = True,
+) -> None:
+    """Write a block atomically. `segments` hold its bytes (with O_DIRECT: at least align_up(length),
+    from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long). `durable=False`
+    skips the fsyncs (only for filling a tier in benchmarks: a crash may then lose or tear files)."""
+    data = _trim(segments, length)
+    header = msgpack.packb(
+        {
+            "v": FORMAT_VERSION,
+            "ns": digest,
+            "hash": block_hash,
+            "len": length,
+            "xxh3": _xxh3(data),
+            "sum": checksum,
+            "created": created_at,
+            "direct": direct,  # data at offset ALIGN
+        }
+    )
+    head = _PREFIX.pack(MAGIC, len(header)) + header
+    if direct:
+        head_buffer = aligned_empty(ALIGN)
+        head_buffer[:] = 0
+        head_buffer[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        iov = [memoryview(head_buffer), *_trim(segments, align_up(length))]
+    else:
+        iov = [memoryview(head), *data]
+    temporary = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
+    try:
+        _pwritev_all(fd, iov, 0)
+        if direct:
+            os.ftruncate(fd, ALIGN + length)  # drop the alignment padding
+        if durable:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(temporary, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        temporary.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
+    """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_block) and
+    verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = _read_header(fd, path)
+        if (header.namespace, header.hash, header.length) != (digest, block_hash, length):
+            raise BadBlock(f"{path}: header names another block")
+        if os.fstat(fd).st_size < header.data_offset + length:
+            raise BadBlock(f"{path}: truncated")
+        if direct and header.data_offset % ALIGN == 0:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            target = _trim(segments, align_up(length))
+        else:
+            target = _trim(segments, length)
+        if _preadv_all(fd, target, header.data_offset) < length:
+            raise BadBlock(f"{path}: truncated")
+    finally:
+        os.close(fd)
+    if _xxh3(_trim(segments, length)) != header.xxh3:
+        raise BadBlock(f"{path}: checksum mismatch")
+    return header
+
+
+def _read_header(fd: int, path: Path) -> Header:
+    head = os.pread(fd, ALIGN, 0)
+    if len(head) < _PREFIX.size:
+        raise BadBlock(f"{path}: truncated header")
+    magic, size = _PREFIX.unpack_from(head)
+    if magic != MAGIC or _PREFIX.size + size > len(head):
+        raise BadBlock(f"{path}: not a block file")
+    try:
+        fields = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + size])
+        if fields["v"] != FORMAT_VERSION:
+            raise BadBlock(f"{path}: format version {fields['v']}, expected {FORMAT_VERSION}")
+        offset = ALIGN if fields.get("direct") else _PREFIX.size + size
+        return Header(
+            namespace=fields["ns"],
+            hash=fields["hash"],
+            length=fields["len"],
+            xxh3=fields["xxh3"],
+            checksum=fields["sum"],
+            created_at=fields["created"],
+            data_offset=offset,
+        )
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise BadBlock(f"{path}: unreadable header: {exc}") from exc
+
+
+@dataclass
+class ScannedNamespace:
+    spec: pb.NamespaceSpec
+    hashes: list[bytes]
+    strays: int  # .tmp files of interrupted writes, removed
+
+
+def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
+    """The blocks a namespace directory holds, from file names alone (headers are checked on first read)."""
+    spec = read_spec(directory)
+    if spec is None:
+        return None
+    hashes: list[bytes] = []
+    strays = 0
+    for name in _FANOUT:
+        try:
+            entries = os.listdir(directory / name)
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if entry.endswith(SUFFIX) and entry.startswith(name) and len(entry) == 2 * spec.hash_bytes + len(SUFFIX):
+                try:
+                    hashes.append(bytes.fromhex(entry[: -len(SUFFIX)]))
+                except ValueError:
+                    continue
+        for stray in (n for n in entries if n.endswith(TMP_SUFFIX)):
+            (directory / name / stray).unlink(missing_ok=True)
+            strays += 1
+        if progress is not None:
+            progress.update(1)
+    return ScannedNamespace(spec, hashes, strays)

@@ -1,0 +1,354 @@
+"""The filesystem tier through the real daemon: real files under a temporary directory, real gRPC."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from blocks import block_content, chain_hashes, contents, spec
+from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
+from test_admin import ctl
+
+from kvtier.client import KVTierClient
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.config import load_config
+
+BLOCK = 256 * 1024  # 16 blocks fill the 4 MiB pools below
+
+
+@pytest.fixture
+def fs_daemons():
+    """fs_daemons(*args, directory=None, prefix=()) starts kvtierd with its filesystem tier in
+    <directory>/fs; pass the directory of an earlier daemon to restart on the same files."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, directory: Path | None = None, prefix: tuple[str, ...] = ()) -> DaemonProcess:
+        directory = directory or new_daemon_dir()
+        (directory / "fs").mkdir(exist_ok=True)
+        fs_args = ["--pool-size", "4MiB", "--fs-path", str(directory / "fs"), "--fs-size", "64MiB", *args]
+        daemon = DaemonProcess(directory, fs_args, prefix=list(prefix)).start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+    for directory in {d.directory for d in started}:
+        remove_daemon_dir(directory)
+
+
+def fs_stats(daemon: DaemonProcess, namespace: str = "") -> pb.TierStats:
+    return next(t for t in daemon.admin("GetStats", namespace=namespace).tiers if t.tier == "fs")
+
+
+def wait_on_disk(daemon: DaemonProcess, blocks: int, timeout: float = 20.0) -> pb.TierStats:
+    """Demotions are asynchronous: wait until the tier holds `blocks` blocks."""
+    deadline = time.monotonic() + timeout
+    while (stats := fs_stats(daemon)).blocks < blocks:
+        assert time.monotonic() < deadline, f"only {stats.blocks} of {blocks} blocks reached the disk"
+        time.sleep(0.02)
+    return stats
+
+
+def block_file(daemon: DaemonProcess, namespace: str, block_hash: bytes) -> Path:
+    return daemon.directory / "fs" / namespace / block_hash[:1].hex() / (block_hash.hex() + ".kvb")
+
+
+def gone(path: Path, timeout: float = 5.0) -> bool:
+    """Files are removed on the I/O threads, shortly after the call that dropped them returned."""
+    deadline = time.monotonic() + timeout
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not path.exists()
+
+
+def test_evicted_blocks_round_trip_through_disk(fs_daemons):
+    daemon = fs_daemons()
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("demote", 40)
+        data = contents(hashes, BLOCK)
+        for start in range(0, 40, 8):
+            assert client.store(ns, hashes[start : start + 8], data[start : start + 8]) == 8
+        stats = wait_on_disk(daemon, 24)  # the pool holds the last 16; the first 24 were evicted and demoted
+        assert stats.stored_blocks == 24 and stats.bytes == 24 * BLOCK
+        assert all(block_file(daemon, ns.id, h).is_file() for h in hashes[:24])
+        ram = daemon.admin("GetStats").tiers[0]
+        assert ram.evictions == 24 and ram.blocks == 16
+        assert client.lookup(ns, hashes).hit_count == 40  # prefix on disk, continued in the pool
+        for start in range(0, 24, 8):  # promotion: read back into the pool, byte-exact, both transports
+            transport = "inline" if start == 8 else "shm"
+            assert np.array_equal(client.load(ns, hashes[start : start + 8], transport=transport), data[start : start + 8])
+        assert fs_stats(daemon).loaded_blocks == 24
+
+
+def test_pinned_lookups_promote_in_parallel_and_pin_the_whole_prefix(fs_daemons):
+    daemon = fs_daemons("--fs-write-through", "true", "--fs-io-threads", "4")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        first, second = chain_hashes("p-a", 6), chain_hashes("p-b", 4)
+        client.store(ns, first, contents(first, BLOCK))
+        client.store(ns, second, contents(second, BLOCK))
+        wait_on_disk(daemon, 10)
+        filler = chain_hashes("p-filler", 16)  # pushes every block above out of the pool
+        client.store(ns, filler, contents(filler, BLOCK))
+        wait_on_disk(daemon, 26)  # written through: the fillers are held in the pool until then
+        assert client.lookup(ns, first).hit_count == 6
+        assert daemon.admin("GetStats").tiers[0].blocks == 16
+        results = client.lookup_batch(ns, [first, second + chain_hashes("p-none", 2)], pin=True)
+        assert [r.hit_count for r in results] == [6, 4]
+        assert daemon.admin("GetStats").pinned_blocks == 10
+        for result, hashes in zip(results, (first, second), strict=True):
+            assert np.array_equal(client.load(ns, lease_id=result.lease_id, transport="inline"), contents(hashes, BLOCK))
+            assert np.array_equal(result.checksums, contents_checksums(hashes))
+        assert fs_stats(daemon).loaded_blocks == 10
+        assert daemon.admin("GetStats").pinned_blocks == 0
+
+
+def contents_checksums(hashes: list[bytes]) -> np.ndarray:
+    from kvtier import checksum
+
+    return checksum.block_checksums(contents(hashes, BLOCK))
+
+
+def test_restart_serves_the_same_blocks_byte_exact(fs_daemons):
+    daemon = fs_daemons("--fs-write-through", "true", "--fs-direct-io", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        odd = client.register(spec(block_bytes=5000, model_id="odd-size"))
+        hashes, odd_hashes = chain_hashes("restart", 12), chain_hashes("restart-odd", 5)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+        client.store(odd, odd_hashes, contents(odd_hashes, 5000))
+        wait_on_disk(daemon, 17)
+    assert daemon.stop() == 0
+    again = fs_daemons("--fs-direct-io", "true", directory=daemon.directory)
+    assert "direct_io=True" in again.log()
+    models = {n.spec.model_id: n for n in again.admin("ListNamespaces").namespaces}
+    assert models["test-model"].namespace == ns.id and models["odd-size"].namespace == odd.id  # known from disk
+    assert fs_stats(again).blocks == 17
+    with KVTierClient(again.address) as client:
+        assert client.register(spec(block_bytes=BLOCK)).id == ns.id
+        client.register(spec(block_bytes=5000, model_id="odd-size"))
+        assert client.lookup(ns, hashes).hit_count == 12
+        assert np.array_equal(client.load(ns, hashes), contents(hashes, BLOCK))
+        assert np.array_equal(client.load(odd, odd_hashes, transport="inline"), contents(odd_hashes, 5000))
+    inspected = again.admin("InspectBlock", namespace=ns.id, hash=hashes[0], tier="fs")
+    assert inspected.block.tier == "fs" and inspected.block.created_at > 0
+    assert inspected.checksum == inspected.stored_checksum != 0
+
+
+def test_kill_9_during_heavy_writes_never_serves_wrong_bytes(fs_daemons):
+    """Kill the daemon at random moments while an engine stores blocks (written through and demoted)
+    as fast as it can, 20 times over the same directory. After every restart each block the tier
+    offers must load byte-exact (content is derived from the hash), and no temporary file may be left."""
+    rng = random.Random(5)
+    directory = None
+    args = ("--fs-write-through", "true", "--fs-size", "24MiB", "--fs-io-threads", "4")
+    block = 64 * 1024
+    served = 0
+    for loop in range(20):
+        daemon = fs_daemons(*args, directory=directory)
+        directory = daemon.directory
+        tmp_files = list((directory / "fs").rglob("*.tmp"))
+        assert not tmp_files, tmp_files
+        served += verify_everything_on_disk(daemon, block)
+        stop = threading.Event()
+        writer = threading.Thread(target=store_until_killed, args=(daemon, f"kill-{loop}", block, stop))
+        writer.start()
+        time.sleep(rng.uniform(0.1, 0.5))
+        daemon.stop(signal.SIGKILL)
+        stop.set()
+        writer.join()
+    assert served > 100  # the loops did put blocks on disk and read them back
+
+
+def store_until_killed(daemon: DaemonProcess, seed: str, block: int, stop: threading.Event) -> None:
+    try:
+        with KVTierClient(daemon.address) as client:
+            ns = client.register(spec(block_bytes=block))
+            for batch in range(1000):
+                if stop.is_set():
+                    return
+                hashes = chain_hashes(f"{seed}-{batch}", 16)
+                client.store(ns, hashes, contents(hashes, block))
+    except (grpc.RpcError, ConnectionError):
+        return  # the daemon was killed
+
+
+def verify_everything_on_disk(daemon: DaemonProcess, block: int) -> int:
+    listed = daemon.admin("ListBlocks", tier="fs", page_size=10_000)
+    if not listed.blocks:
+        return 0
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=block))
+        loaded = 0
+        for info in listed.blocks:
+            data = client.load(ns, [info.hash], transport="inline")
+            if len(data):  # a block may be missing (evicted meanwhile), never wrong
+                assert np.array_equal(data[0], block_content(info.hash, block)), info.hash.hex()
+                loaded += 1
+    return loaded
+
+
+def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons):
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("flip", 8)
+        data = contents(hashes, BLOCK)
+        client.store(ns, hashes, data)
+        wait_on_disk(daemon, 8)
+    daemon.stop()
+    flipped, truncated, inspected = (block_file(daemon, ns.id, hashes[i]) for i in (3, 5, 7))
+    with open(flipped, "r+b") as f:  # one bit of the block's bytes, deep inside the file
+        f.seek(-1000, 2)
+        byte = f.read(1)
+        f.seek(-1000, 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with open(truncated, "r+b") as f:
+        f.truncate(truncated.stat().st_size - 10)
+    with open(inspected, "r+b") as f:  # the last byte
+        f.seek(-1, 2)
+        f.write(bytes([data[7, -1] ^ 0xFF]))
+    daemon = fs_daemons(directory=daemon.directory)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.lookup(ns, hashes).hit_count == 8  # the index knows names only until a file is read
+        assert np.array_equal(client.load(ns, hashes[:4]), data[:3])
+        assert gone(flipped) and truncated.exists()
+        assert client.lookup(ns, hashes).hit_count == 3
+        assert np.array_equal(client.load(ns, hashes[4:6]), data[4:5])
+        assert gone(truncated)
+        with pytest.raises(grpc.RpcError) as caught:
+            daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[7], tier="fs")
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "dropped" in caught.value.details()
+        assert gone(inspected)
+    assert fs_stats(daemon).checksum_failures == 3
+    assert "fs block file corrupt; deleted" in daemon.log()
+
+
+def test_eviction_keeps_the_tier_under_its_size(fs_daemons):
+    for policy in ("lru", "arc"):
+        daemon = fs_daemons("--fs-size", "4MiB", "--fs-eviction", policy)
+        with KVTierClient(daemon.address) as client:
+            ns = client.register(spec(block_bytes=BLOCK))
+            for start in range(0, 64, 8):
+                hashes = chain_hashes(f"size-{start}", 8)
+                client.store(ns, hashes, contents(hashes, BLOCK))
+                deadline = time.monotonic() + 10
+                while (stats := fs_stats(daemon)).stored_blocks < max(0, start - 8):  # victims of this store
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                files = list((daemon.directory / "fs" / ns.id).rglob("*.kvb"))
+                assert sum(f.stat().st_size for f in files) <= 4 << 20 and stats.bytes <= 4 << 20
+            files = list((daemon.directory / "fs" / ns.id).rglob("*.kvb"))
+            assert stats.stored_blocks == 48 and stats.evictions == 48 - 15  # the pool's 48 victims were demoted
+            assert stats.blocks == 15 == len(files)  # 15 * (256 KiB + 4 KiB header) fit in 4 MiB
+            assert sum(f.stat().st_size for f in files) <= 4 << 20
+            assert stats.capacity_bytes == 4 << 20
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged mount namespaces (unshare -rm) for a tiny tmpfs")
+def test_disk_full_pauses_stores_and_the_ram_tier_keeps_serving(fs_daemons):
+    """A real full filesystem: the daemon runs in its own mount namespace where --fs-path is a 2 MiB
+    tmpfs, so writes fail with ENOSPC from the kernel (the tier's own --fs-size is far larger)."""
+    directory = new_daemon_dir()
+    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"', str(directory / "fs")]
+    (directory / "fs").mkdir()
+    daemon = fs_daemons("--fs-write-through", "true", directory=directory, prefix=tuple(mount))
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("full", 12)
+        data = contents(hashes, BLOCK)
+        assert client.store(ns, hashes, data) == 12
+        deadline = time.monotonic() + 10
+        while not (stats := fs_stats(daemon)).stores_paused:
+            assert time.monotonic() < deadline, "the full disk was not noticed"
+            time.sleep(0.02)
+        assert stats.io_errors >= 1 and 0 < stats.blocks < 12
+        assert "stores paused" in daemon.log() and "No space left on device" in daemon.log()
+        more = chain_hashes("full-more", 4)  # the RAM tier goes on storing and serving
+        assert client.store(ns, more, contents(more, BLOCK)) == 4
+        assert np.array_equal(client.load(ns, hashes), data)
+        assert np.array_equal(client.load(ns, more), contents(more, BLOCK))
+        on_disk = fs_stats(daemon).blocks
+        filler = chain_hashes("full-filler", 16)  # evict everything: disk blocks still load
+        client.store(ns, filler, contents(filler, BLOCK))
+        disk_hashes = [b.hash for b in daemon.admin("ListBlocks", namespace=ns.id, tier="fs").blocks]
+        assert len(disk_hashes) == on_disk
+        for h in disk_hashes:
+            assert np.array_equal(client.load(ns, [h])[0], block_content(h, BLOCK))
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
+    assert "kvtierd_fs_stores_paused 1.0" in metrics
+    assert daemon.process.poll() is None
+
+
+def test_admin_and_metrics_across_tiers(fs_daemons):
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("admin", 20)
+        for start in (0, 10):  # written-through blocks stay pinned until on disk: two batches fit the pool
+            client.store(ns, hashes[start : start + 10], contents(hashes[start : start + 10], BLOCK))
+            wait_on_disk(daemon, start + 10)
+        listed = daemon.admin("ListBlocks", namespace=ns.id, page_size=100)
+        tiers = [b.tier for b in listed.blocks]
+        assert listed.total == 36 and tiers.count("ram") == 16 and tiers.count("fs") == 20
+        only_fs = daemon.admin("ListBlocks", namespace=ns.id, tier="fs", page_size=5)
+        assert only_fs.total == 20 and len(only_fs.blocks) == 5 and {b.tier for b in only_fs.blocks} == {"fs"}
+        in_both = hashes[-1]
+        assert daemon.admin("InspectBlock", namespace=ns.id, hash=in_both).block.tier == "ram"
+        on_disk = daemon.admin("InspectBlock", namespace=ns.id, hash=in_both, tier="fs")
+        assert on_disk.block.tier == "fs" and on_disk.checksum == on_disk.stored_checksum and not on_disk.page_ids
+        only_disk = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[0])
+        assert only_disk.block.tier == "fs"
+        assert daemon.admin("DeleteBlocks", namespace=ns.id, hashes=hashes[0] + in_both).deleted_count == 2
+        assert gone(block_file(daemon, ns.id, hashes[0])) and gone(block_file(daemon, ns.id, in_both))
+        assert client.lookup(ns, hashes).hit_count == 0
+        for tier, code in (("tape", grpc.StatusCode.INVALID_ARGUMENT),):
+            with pytest.raises(grpc.RpcError) as caught:
+                daemon.admin("ListBlocks", tier=tier)
+            assert caught.value.code() == code
+        with pytest.raises(grpc.RpcError) as caught:
+            daemon.admin("InspectBlock", namespace=ns.id, hash=b"short", tier="fs")
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stats_text = ctl(daemon, "stats").stdout
+        assert "fs tier: 0 I/O errors, stores on" in stats_text
+        assert any(line.split()[:3] == ["(all)", "fs", "18"] for line in stats_text.splitlines())
+        assert "fs" in ctl(daemon, "blocks", "--tier", "fs").stdout
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
+        assert 'kvtierd_tier_blocks{tier="fs"} 18.0' in metrics
+        assert 'kvtierd_tier_capacity_bytes{tier="fs"} 6.7108864e+07' in metrics
+        assert 'kvtierd_stored_blocks_total{tier="fs"} 20.0' in metrics
+        assert daemon.admin("Clear", all=True).deleted_count == 18
+        assert all(gone(block_file(daemon, ns.id, h)) for h in hashes)
+        assert fs_stats(daemon).blocks == 0
+
+
+def test_fs_options_are_validated():
+    with pytest.raises(SystemExit, match="fs_size must be given"):
+        load_config(["--fs-path", "/tmp/somewhere"], environ={})
+    with pytest.raises(SystemExit, match="fs_eviction"):
+        load_config(["--fs-path", "/tmp/x", "--fs-size", "1GiB", "--fs-eviction", "fifo"], environ={})
+    config = load_config(["--fs-path", "/tmp/x"], environ={"KVTIERD_FS_SIZE": "2GiB", "KVTIERD_FS_DIRECT_IO": "yes"})
+    assert (config.fs_size, config.fs_direct_io, config.fs_io_threads) == (2 << 30, True, 8)
+
+
+def test_tier_off_refuses_fs_admin_requests(daemon):
+    with pytest.raises(grpc.RpcError) as caught:
+        daemon.admin("ListBlocks", tier="fs")
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [t.tier for t in daemon.admin("GetStats").tiers] == ["ram"]
