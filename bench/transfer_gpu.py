@@ -1,0 +1,160 @@
+"""GPU <-> pool transfer speed through the daemon (TRANSPORT_CUDA_IPC), against raw pinned memcpy, in one run.
+
+On a CUDA machine: raw pinned host<->device memcpy (the physical limit), then store and load through a
+real kvtierd for batches of 1, 16, 64 and 512 blocks of a Llama-3-8B-like layout (32 layers, 8 KV
+heads, head size 128, 16 tokens per block, bf16: 2 MiB per block) in the layer-major (LBHNC) and
+block-outermost (BLHNC) layouts, and one 170 MB prefix load end to end (one Load call: RPC, pinning,
+copy, checksum verification, release) against a raw memcpy of the same bytes. This process plays the
+engine (tests/fake_engine.py allocates its KV cache as vLLM 0.33 does). Every time is a median; a
+store or load time runs from the call to its answer. Writes bench/results/transfer_gpu.json and
+transfer_gpu.png. Usage: python bench/transfer_gpu.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from common import RESULTS, start_daemon, stop_daemon, write_result  # isort: skip
+
+from fake_engine import Geometry, allocate_kv_cache, block_hashes, namespace_spec  # noqa: E402
+
+from kvtier.client import KVTierClient  # noqa: E402
+from kvtier.engine.gpu_kv import GpuKV  # noqa: E402
+
+LLAMA3_8B = Geometry(layers=32, heads=8, block_size=16, head_size=128, num_blocks=1024, dtype="bfloat16")
+BATCHES = [1, 16, 64, 512]
+PREFIX_BYTES = 170_000_000
+
+
+def memcpy_seconds(nbytes: int, to_device: bool, rounds: int) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, device) if to_device else (device, host)
+    samples = []
+    for _ in range(rounds + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1000)
+    return statistics.median(samples[2:])
+
+
+def timed(fn, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds + 2):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples[2:])
+
+
+def through_daemon(address: str, layout: str, rounds: int) -> dict:
+    g = LLAMA3_8B
+    _, views = allocate_kv_cache(g, layout)
+    kv = GpuKV(list(views.values()), g.num_blocks)
+    result = {"store_GBps": {}, "load_GBps": {}}
+    with KVTierClient(address, engine_name=f"bench-{layout}", timeout=60) as client:
+        ns = client.register(namespace_spec(g, layout), kv.describe())
+        assert ns.cuda_registration, ns.cuda_refused
+        seed = iter(range(1_000_000))
+        for n in BATCHES:
+            ids = list(range(n))
+
+            def store(n=n, ids=ids):
+                kv.record_ready()
+                assert client.store_cuda(ns, block_hashes(next(seed) + 1000 * n, n), ids) == n
+
+            result["store_GBps"][n] = n * g.block_bytes / timed(store, rounds) / 1e9
+            hashes = block_hashes(-n, n)
+            kv.record_ready()
+            client.store_cuda(ns, hashes, ids)
+            targets = list(range(g.num_blocks - n, g.num_blocks))
+            result["load_GBps"][n] = (
+                n * g.block_bytes / timed(lambda n=n, h=hashes, t=targets: client.load_cuda(ns, t, h), rounds) / 1e9
+            )
+        prefix = -(-PREFIX_BYTES // g.block_bytes)
+        hashes = block_hashes(-99, prefix)
+        kv.record_ready()
+        client.store_cuda(ns, hashes, list(range(prefix)))
+        load_s = timed(lambda: client.load_cuda(ns, list(range(prefix, 2 * prefix)), hashes), rounds)
+        result["prefix_blocks"] = prefix
+        result["prefix_load_ms"] = load_s * 1000
+    return result
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 10
+    torch.cuda.init()
+    h2d = 2**30 / memcpy_seconds(2**30, True, rounds) / 1e9
+    d2h = 2**30 / memcpy_seconds(2**30, False, rounds) / 1e9
+    prefix_bytes = -(-PREFIX_BYTES // LLAMA3_8B.block_bytes) * LLAMA3_8B.block_bytes
+    prefix_memcpy_ms = memcpy_seconds(prefix_bytes, True, rounds) * 1000
+    free_before = torch.cuda.mem_get_info()[0]
+    daemon = start_daemon("--pool-size", "6GiB", "--log-level", "warning")
+    try:
+        layouts = {layout: through_daemon(daemon.address, layout, rounds) for layout in ("LBHNC", "BLHNC")}
+        torch.cuda.synchronize()
+        daemon_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+    finally:
+        stop_daemon(daemon)
+    big = [n for n in BATCHES if n >= 64]
+    store_ratio = min(layouts[lay]["store_GBps"][n] for lay in layouts for n in big) / d2h
+    load_ratio = min(layouts[lay]["load_GBps"][n] for lay in layouts for n in big) / h2d
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "geometry": "Llama-3-8B-like: 32 layers x 8 KV heads x head 128 x 16 tokens, bf16 = 2 MiB per block",
+        "rounds": rounds,
+        "memcpy_h2d_GBps": h2d,
+        "memcpy_d2h_GBps": d2h,
+        "store_GBps_512": min(layouts[lay]["store_GBps"][512] for lay in layouts),
+        "load_GBps_512": min(layouts[lay]["load_GBps"][512] for lay in layouts),
+        "store_ratio": store_ratio,
+        "load_ratio": load_ratio,
+        "ratio_note": "worst of both layouts over batches of 64 and 512 blocks; store vs d2h memcpy, load vs h2d",
+        "prefix_170MB_load_ms": max(layouts[lay]["prefix_load_ms"] for lay in layouts),
+        "prefix_170MB_memcpy_ms": prefix_memcpy_ms,
+        "prefix_load_vs_memcpy": max(layouts[lay]["prefix_load_ms"] for lay in layouts) / prefix_memcpy_ms,
+        "daemon_gpu_memory_mib": daemon_mib,
+        "layouts": layouts,
+    }
+    command = "python bench/transfer_gpu.py" + (f" --rounds {rounds}" if rounds != 10 else "")
+    path = write_result("transfer_gpu", result, command)
+    plot(result, RESULTS / "transfer_gpu.png")
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    print(f"wrote {path}")
+
+
+def plot(result: dict, path) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for layout, data in result["layouts"].items():
+        for kind, style in (("store", "-o"), ("load", "--s")):
+            values = [data[f"{kind}_GBps"][n] for n in BATCHES]
+            ax.plot(BATCHES, values, style, label=f"{kind} {layout}")
+    ax.axhline(result["memcpy_h2d_GBps"], color="gray", linestyle=":", label="pinned memcpy h2d")
+    ax.axhline(result["memcpy_d2h_GBps"], color="black", linestyle=":", label="pinned memcpy d2h")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("blocks per call (2 MiB each)")
+    ax.set_ylabel("GB/s (call to answer)")
+    ax.set_title(f"kvtierd cuda_ipc on {result['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
