@@ -119,9 +119,10 @@ def test_engine_killed_mid_store_releases_mappings_and_reservations(start_daemon
     stats = daemon.admin("GetStats")
     assert stats.reserved_bytes == 0 and stats.pinned_blocks == 0
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and free_gpu_mib() < free_before - 64:
+    # the daemon itself grows a little on first use (kernel, buffers); a kept mapping would hold 1 GiB
+    while time.monotonic() < deadline and free_gpu_mib() < free_before - 512:
         time.sleep(0.2)
-    assert free_gpu_mib() >= free_before - 64, "the dead engine's KV cache is still mapped"
+    assert free_gpu_mib() >= free_before - 512, "the dead engine's KV cache is still mapped"
     assert daemon.process.poll() is None
 
 

@@ -430,13 +430,16 @@ class BlockStore:
             victim = self.block_at[slot]
             victims.append(victim)
             short -= victim.namespace.pages_per_block
-        if victims and self.on_evict is not None:
+        if not victims:
+            return
+        if self.on_evict is not None:
             self.on_evict(victims)
-        for victim in victims:
+        for victim in victims:  # committed and unpinned (they were in the policy): free them together
             victim.namespace.counters.evictions += 1
-            self._drop(victim, in_policy=False)
+            del victim.namespace.blocks[victim.hash]
+        self._free_many(victims)
 
-    def _drop(self, block: Block, in_policy: bool = True) -> None:
+    def _drop(self, block: Block) -> None:
         """Make a block invisible now; its pages go back once no lease or reservation holds them."""
         ns, slot = block.namespace, block.slot
         state = self.state[slot]
@@ -445,8 +448,7 @@ class BlockStore:
             self.state[slot] = DROPPED  # its reservation frees the pages when it ends
         elif state == COMMITTED:
             del ns.blocks[block.hash]
-            if in_policy:
-                self.policy.remove_many([slot], forget=True)
+            self.policy.remove_many([slot], forget=True)
             if self.pins[slot]:
                 self.state[slot] = DROPPED
                 self._orphan_pages += ns.pages_per_block
@@ -454,10 +456,15 @@ class BlockStore:
                 self._free(block)
 
     def _free(self, block: Block) -> None:
-        self.pages.release(np.frombuffer(block.pages, dtype="<u4"))
-        self.slots.release(np.array([block.slot]))
-        self.state[block.slot] = FREE
-        self.block_at[block.slot] = None
+        self._free_many([block])
+
+    def _free_many(self, blocks: list[Block]) -> None:
+        self.pages.release(np.frombuffer(b"".join(b.pages for b in blocks), dtype="<u4"))
+        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
+        self.slots.release(slots)
+        self.state[slots] = FREE
+        for slot in slots.tolist():
+            self.block_at[slot] = None
 
     def delete(self, ns: Namespace, hashes: list[bytes]) -> int:
         victims = [b for b in map(ns.blocks.get, hashes) if b is not None]
