@@ -1,4 +1,4 @@
-"""Time to first token with real vLLM (CPU build), in one run, for six scenarios:
+"""Time to first token with real vLLM (CPU build), in one run, for seven scenarios:
 
   a  cold: a prompt the engine never saw
   b  the engine's own prefix-cache hit
@@ -13,14 +13,15 @@ The model has 128 KiB of KV per token, as Llama-3-8B in bf16 (16 layers x 8 KV h
 x K,V x fp32), so a 2000-token prompt carries 250 MiB of KV, and a small compute (hidden size 512),
 so the CPU prefill stays a few seconds. Each value is the median over ROUNDS prompts of
 PROMPT_TOKENS tokens, one request at a time (max_tokens=1, so the request time is the time to first
-token). Engines run in vLLM's default
-multiprocess mode (in-process mode shares one GIL between the engine's busy loop and the
-connector's transfer thread, which slows every background copy). Writes bench/results/e2e_ttft.json
-and bench/results/e2e_ttft.png. Usage: python bench/e2e_ttft.py [--rounds N]
+token). Engines run in vLLM's default multiprocess mode (in-process mode shares one GIL between the
+engine's busy loop and the connector's transfer thread, which slows every background copy). Writes
+bench/results/e2e_ttft.json and bench/results/e2e_ttft.png. Usage: python bench/e2e_ttft.py [--rounds N]
+(`--plot-only` redraws the PNG from the JSON).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
@@ -52,6 +53,10 @@ def ttfts(result: dict, phase_indices: list[int], request: int = 0) -> list[floa
 
 
 def main() -> None:
+    if "--plot-only" in sys.argv:
+        saved = json.loads((RESULTS / "e2e_ttft.json").read_text())
+        plot({k: v for k, v in saved.items() if k in saved["samples_ms"]}, RESULTS / "e2e_ttft.png")
+        return
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
     model = make_tiny_llama(MODEL, seed=0, **MODEL_SHAPE)
     work = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
@@ -158,8 +163,9 @@ def plot(medians: dict[str, float], path: Path) -> None:
     bars = ax.bar(labels, list(medians.values()), color=colors)
     ax.bar_label(bars, fmt="%.0f ms")
     ax.set_yscale("log")
-    ax.set_ylabel(f"time to first token, ms (median, {PROMPT_TOKENS}-token prompts, log scale)")
-    ax.set_title("vLLM CPU, one request at a time")
+    ax.set_ylabel("TTFT, ms (median, log scale)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title(f"vLLM CPU, {PROMPT_TOKENS}-token prompts, one request at a time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
