@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 
@@ -197,3 +198,30 @@ def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_r
     planner.on_transfers({"r"}, set())
     assert planner.finished("r") is False
     assert planner.finished("never-loaded") is False
+
+
+def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
+    """GPU engines (the daemon reads the blocks after the step): a finished request's blocks wait for
+    its stores (vLLM's finished_sending), preempted requests' stores are awaited (handle_preemptions)."""
+    planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(), delay_free_for_stores=True)
+    hashes = chain_hashes("gpu-frees", 4)
+    planner.matched_tokens("r", hashes, 4 * BLOCK_TOKENS + 1, 0, None)
+    plan = planner.plan_step([("r", 4 * BLOCK_TOKENS, hashes, [0, 1, 2, 3])], preempted=["p"])
+    assert plan.preempted == ["p"] and [j.req_id for j in plan.stores] == ["r"]
+    assert planner.finished("r") is True  # stores planned: vLLM keeps the blocks until the workers say so
+    assert planner.finished("no-stores") is False
+
+    worker, _ = transfers(link, seed=2)
+    worker.delay_frees = True
+    release = threading.Event()
+    slow = link.submit(lambda client, ns: release.wait(10))  # the link is busy: the store waits behind it
+    worker.save(plan.stores)
+    worker._device_stores["r"].append(slow)  # as a cuda_ipc store in flight would be
+    assert worker.finished_stores({"r"}) == set()  # not yet: the daemon has not copied
+    started = time.monotonic()
+    worker.fence({"r"}, timeout=0.2)  # bounded
+    assert 0.15 < time.monotonic() - started < 2
+    release.set()
+    wait(lambda: slow.done())
+    assert worker.finished_stores(set()) == {"r"}  # remembered from before: reported once done
+    assert worker.finished_stores({"r"}) == set()
