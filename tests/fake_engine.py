@@ -8,8 +8,9 @@ the vLLM connector uses (kvtier.engine: DaemonLink, BlockTransfers with a GpuKV)
 As a process: `python fake_engine.py SPEC_JSON`, where the spec holds the daemon address, the cache
 geometry and a list of steps:
   {"fill": [block ids], "seed": s}       write seeded data into those blocks
-  {"store": [block ids], "seed": s}      store them under hashes derived from s (waits for the daemon)
-  {"load": [block ids], "seed": s}       load the blocks stored under seed s into these block ids
+  {"store": [block ids], "seed": s}      store them under hashes derived from s, or from "hash_seed"
+                                         when given (waits for the daemon)
+  {"load": [block ids], "seed": s}       load the blocks stored under seed s (or "hash_seed") into these ids
   {"check": [block ids], "seed": s}      compare them with the seeded data
   {"wait_for": path}                     wait until the file exists
   {"store_forever": [block ids]}         store fresh hashes in a loop (to be killed mid-store)
@@ -86,7 +87,7 @@ def block_hashes(seed: int, count: int) -> list[bytes]:
     return [hashlib.sha256(f"{seed}:{i}".encode()).digest() for i in range(count)]
 
 
-def namespace_spec(geometry: Geometry, layout: str) -> pb.NamespaceSpec:
+def namespace_spec(geometry: Geometry, layout: str, tp_size: int = 1) -> pb.NamespaceSpec:
     return pb.NamespaceSpec(
         model_id="fake-llama",
         tokens_per_block=geometry.block_size,
@@ -99,17 +100,21 @@ def namespace_spec(geometry: Geometry, layout: str) -> pb.NamespaceSpec:
         chunk_bytes=[geometry.page_bytes] * geometry.layers,
         hash_algorithm="sha256",
         hash_bytes=32,
+        tp_size=tp_size,
     )
 
 
 class FakeEngine:
-    def __init__(self, address: str, geometry: Geometry, layout: str, name: str = "fake-engine") -> None:
+    def __init__(
+        self, address: str, geometry: Geometry, layout: str, name: str = "fake-engine", tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        """One worker of an engine; a TP engine is `tp_size` of these, each registering its own rank."""
         self.geometry = geometry
         self.buffer, self.views = allocate_kv_cache(geometry, layout)
         self.kv = GpuKV(list(self.views.values()), geometry.num_blocks)
         self.link = DaemonLink(address, name, timeout=30.0, reconnect_interval=0.2)
-        self.transfers = BlockTransfers(self.link, self.kv, delay_frees=True)
-        self.transfers.configure(namespace_spec(geometry, layout).SerializeToString())
+        self.transfers = BlockTransfers(self.link, self.kv, tp_rank=tp_rank, delay_frees=True)
+        self.transfers.configure(namespace_spec(geometry, layout, tp_size).SerializeToString())
         self.barrier()  # connected and registered (the connector's first stores may go through shm instead)
 
     def blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -124,9 +129,9 @@ class FakeEngine:
             start += run.size
         torch.cuda.synchronize()
 
-    def store(self, block_ids: list[int], seed: int, req_id: str = "req") -> None:
+    def store(self, block_ids: list[int], hash_seed: int, req_id: str = "req") -> None:
         """As the connector does after a forward: save, then (here) wait for the daemon's copy."""
-        self.transfers.save([StoreJob(req_id, block_ids, block_hashes(seed, len(block_ids)))])
+        self.transfers.save([StoreJob(req_id, block_ids, block_hashes(hash_seed, len(block_ids)))])
         self.barrier()
         self.transfers.finished_stores({req_id})
 
@@ -134,8 +139,8 @@ class FakeEngine:
         """Every call submitted to the link so far has finished."""
         self.link.submit(lambda client, ns: None).result(timeout=60)
 
-    def load(self, block_ids: list[int], seed: int, req_id: str = "load") -> bool:
-        self.transfers.start_loads([LoadJob(req_id, block_ids, block_hashes(seed, len(block_ids)))])
+    def load(self, block_ids: list[int], hash_seed: int, req_id: str = "load") -> bool:
+        self.transfers.start_loads([LoadJob(req_id, block_ids, block_hashes(hash_seed, len(block_ids)))])
         while True:
             finished, failed = self.transfers.finished_loads()
             if req_id in finished:
@@ -148,7 +153,12 @@ class FakeEngine:
 
 def main(spec: dict) -> None:
     engine = FakeEngine(
-        spec["address"], Geometry(**spec.get("geometry", {})), spec.get("layout", "LBHNC"), spec.get("name", "fake")
+        spec["address"],
+        Geometry(**spec.get("geometry", {})),
+        spec.get("layout", "LBHNC"),
+        spec.get("name", "fake"),
+        spec.get("tp_rank", 0),
+        spec.get("tp_size", 1),
     )
     print(f"READY pid={os.getpid()}", flush=True)
     for step in spec["steps"]:
@@ -156,11 +166,11 @@ def main(spec: dict) -> None:
         if "fill" in step:
             engine.fill(step["fill"], step["seed"])
         elif "store" in step:
-            engine.store(step["store"], step["seed"])
+            engine.store(step["store"], step.get("hash_seed", step["seed"]))
             result["cuda_ipc"] = engine.link.cuda_registered
             result["stored_blocks"] = engine.transfers.take_stats().stored_blocks
         elif "load" in step:
-            result["loaded"] = engine.load(step["load"], step["seed"])
+            result["loaded"] = engine.load(step["load"], step.get("hash_seed", step["seed"]))
             result["cuda_ipc"] = engine.link.cuda_registered
         elif "check" in step:
             result["matches"] = engine.matches(step["check"], step["seed"])

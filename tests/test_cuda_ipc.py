@@ -38,8 +38,12 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
     assert "cuda_ipc refused" in daemon.log()
 
 
-def engine(address: str, steps: list[dict], layout: str = "LBHNC", name: str = "fake", geometry=None) -> subprocess.Popen:
-    spec_json = json.dumps({"address": address, "geometry": geometry or GEOMETRY, "layout": layout, "name": name, "steps": steps})
+def engine(
+    address: str, steps: list[dict], layout: str = "LBHNC", name: str = "fake", geometry=None, tp: tuple[int, int] = (0, 1)
+) -> subprocess.Popen:
+    """One fake engine worker process; `tp` = (its rank, the engine's TP size)."""
+    spec = {"address": address, "geometry": geometry or GEOMETRY, "layout": layout, "name": name, "steps": steps}
+    spec_json = json.dumps({**spec, "tp_rank": tp[0], "tp_size": tp[1]})
     return subprocess.Popen(
         [sys.executable, str(HERE / "fake_engine.py"), spec_json], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -100,6 +104,33 @@ def test_two_engines_store_and_load_concurrently(start_daemon, tmp_path):
     for process in (a, b):
         steps_done = results(process)
         assert steps_done[3]["loaded"] and steps_done[4]["matches"]
+
+
+@gpu
+def test_tensor_parallel_ranks_keep_their_own_blocks(start_daemon):
+    """Two TP=2 engines (one worker process per rank, here both ranks on one GPU): the same block
+    hashes hold each rank's own bytes, and each rank of engine 2 loads its own rank's blocks."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    ids = list(range(16))
+    writers = [
+        engine(daemon.address, [{"fill": ids, "seed": 40 + rank}, {"store": ids, "seed": 40 + rank, "hash_seed": 7}], tp=(rank, 2))
+        for rank in (0, 1)
+    ]
+    for process in writers:
+        assert results(process)[1]["stored_blocks"] == 16
+    targets = list(range(32, 48))
+    readers = [
+        engine(
+            daemon.address,
+            [{"load": targets, "seed": 40 + rank, "hash_seed": 7}, {"check": targets, "seed": 40 + rank}],
+            tp=(rank, 2),
+        )
+        for rank in (0, 1)
+    ]
+    for process in readers:
+        loaded, checked = results(process)
+        assert loaded["loaded"] and loaded["cuda_ipc"] and checked["matches"]
+    assert len(daemon.admin("ListNamespaces").namespaces) == 2  # one per rank
 
 
 @gpu
