@@ -112,10 +112,8 @@ def test_tensor_parallel_ranks_keep_their_own_blocks(start_daemon):
     hashes hold each rank's own bytes, and each rank of engine 2 loads its own rank's blocks."""
     daemon = start_daemon("--pool-size", "256MiB")
     ids = list(range(16))
-    writers = [
-        engine(daemon.address, [{"fill": ids, "seed": 40 + rank}, {"store": ids, "seed": 40 + rank, "hash_seed": 7}], tp=(rank, 2))
-        for rank in (0, 1)
-    ]
+    steps = [[{"fill": ids, "seed": 40 + rank}, {"store": ids, "seed": 40 + rank, "hash_seed": 7}] for rank in (0, 1)]
+    writers = [engine(daemon.address, steps[rank], tp=(rank, 2)) for rank in (0, 1)]
     for process in writers:
         assert results(process)[1]["stored_blocks"] == 16
     targets = list(range(32, 48))
