@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier import checksum  # noqa: E402
+from kvtier.copy_plan import WORD, Run, SegmentTemplate  # noqa: E402
 from kvtier.engine.gpu_kv import block_runs  # noqa: E402
-from kvtierd.copy_plan import WORD, Run, SegmentTemplate  # noqa: E402
 
 PAGE = 4096
 GPU_BASE, POOL_BASE = 1 << 40, 1 << 50  # symbolic addresses: the test maps them back to arrays

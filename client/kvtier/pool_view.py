@@ -71,6 +71,19 @@ class PoolMapping:
         finally:
             os.close(fd)
         self.view = PageView(self._mmap, page_size)
+        self._cuda = None  # a CudaHostRegistration once a GPU engine copies with its own kernel
+
+    def cuda_address(self) -> int:
+        """The mapping's address, registered with CUDA (once) so GPU kernels can read and write it."""
+        address = self.view.pages.ctypes.data
+        if self._cuda is None:
+            from kvtier.cuda_host import CudaHostRegistration  # noqa: PLC0415 (GPU engines only)
+
+            self.populate()
+            self._cuda = CudaHostRegistration(address, self.view.pages.nbytes)
+        if not self._cuda.active:
+            raise OSError("cudaHostRegister of the pool mapping failed")
+        return address
 
     def populate(self) -> None:
         """Map every page now (MADV_POPULATE_WRITE), so copies later take no page faults."""
@@ -80,6 +93,8 @@ class PoolMapping:
             pass  # older kernels: pages fault in on first use instead
 
     def close(self) -> None:
+        if self._cuda is not None:
+            self._cuda.close()  # before the memory goes
         self.view = None  # type: ignore[assignment]
         try:
             self._mmap.close()

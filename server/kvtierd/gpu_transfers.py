@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.copy_plan import Run, SegmentTemplate
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.copy_plan import Run, SegmentTemplate
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 log = logging.getLogger("kvtierd.gpu")
@@ -150,21 +150,22 @@ class GpuTransfers:
     def _copy(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool) -> np.ndarray:
         import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
 
-        from kvtierd.gpu_copy import block_checksums, copy_segments  # noqa: PLC0415 (needs triton)
+        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (needs triton)
 
-        template = registration.template
-        gpu, pool = template.addresses(registration.bases, block_ids, self.pool_address, page_ids, self.page_size)
-        n = len(block_ids)
-        words, first = np.tile(template.words, n), np.tile(template.first_word, n)
         with self._lock:
             stream = next(self._streams[registration.device_index])
-        device = torch.device("cuda", registration.device_index)
-        with torch.cuda.device(device):
-            if to_pool and registration.ready_event is not None:
-                stream.wait_event(registration.ready_event)
-            src, dst = (gpu, pool) if to_pool else (pool, gpu)
-            partial = copy_segments(src, dst, words, first, device, stream)
-            return block_checksums(partial, n, stream)
+        return copy_blocks(
+            registration.template,
+            registration.bases,
+            block_ids,
+            self.pool_address,
+            page_ids,
+            self.page_size,
+            to_pool,
+            torch.device("cuda", registration.device_index),
+            stream,
+            after=registration.ready_event if to_pool else None,
+        )
 
     # ------------------------------------------------------------------ teardown
 
@@ -207,7 +208,7 @@ def _cuda_torch():
     try:
         import torch  # noqa: PLC0415
 
-        import kvtierd.gpu_copy  # noqa: F401, PLC0415 (triton)
+        import kvtier.gpu_copy  # noqa: F401, PLC0415 (triton)
     except ImportError as exc:
         raise FailedPrecondition(f"this daemon cannot serve cuda_ipc: {exc}") from None
     if not torch.cuda.is_available():

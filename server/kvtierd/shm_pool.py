@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.cuda_host import CudaHostRegistration
 from kvtier.pool_view import PageView
-from kvtierd.cuda_host import CudaHostRegistration
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """An engine's GPU KV cache seen as runs of whole blocks: what the daemon needs for CUDA IPC, and the
-engine-side copies of the shm fallback.
+engine-side copies of the shm fallback (the daemon's copy kernel, run by the engine on a side stream
+between its KV cache and its mapping of the pool, which it registers with cudaHostRegister).
 
 vLLM hands connectors one tensor per layer. Whatever the layout, block b of a layer is one or two
 contiguous byte runs at a fixed stride:
@@ -18,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier import checksum
-from kvtier.engine.kv_blocks import write_rows
-from kvtier.pool_view import PageView
+from kvtier.copy_plan import Run, SegmentTemplate
+from kvtier.pool_view import PoolMapping
 from kvtier.v1 import kvtier_pb2 as pb
 
 
@@ -85,10 +85,11 @@ class GpuKV:
         self.device = tensors[0].device
         self.num_blocks = num_blocks
         self.storages, self.runs = block_runs(tensors, num_blocks)
-        self.chunk_bytes = [run.size for run in self.runs]
-        self.block_bytes = sum(self.chunk_bytes)
-        self._offsets = np.cumsum([0, *self.chunk_bytes[:-1]]).tolist()
+        self.block_bytes = sum(run.size for run in self.runs)
         self.ready = torch.cuda.Event(interprocess=True)
+        self._bases = np.array([storage.data_ptr() for storage in self.storages], dtype=np.int64)
+        self._stream = torch.cuda.Stream(self.device)
+        self._template: tuple[int, SegmentTemplate] | None = None
 
     # ------------------------------------------------------------------ cuda_ipc transport
 
@@ -124,20 +125,31 @@ class GpuKV:
 
     # ------------------------------------------------------------------ shm fallback (the engine copies)
 
-    def snapshot(self, block_ids: list[int]) -> list[np.ndarray]:
-        """A host copy of the blocks, one [n, run_bytes] uint8 array per run."""
-        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
-        rows = torch.cat([run.rows.index_select(0, index) for run in self.runs], dim=1).cpu().numpy()
-        return np.split(rows, np.cumsum(self.chunk_bytes[:-1]).tolist(), axis=1)
+    def to_pool(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
+        """Copy engine blocks into pool pages after the ready event (a side stream: the compute stream
+        never waits); their checksums once done. The daemon's kernel, run by the engine."""
+        return self._copy(pool, page_ids, block_ids, to_pool=True)
 
-    def write_pool(self, view: PageView, page_ids: np.ndarray, layers: list[np.ndarray]) -> np.ndarray:
-        return write_rows(view, page_ids, layers, self.chunk_bytes, self._offsets)
+    def from_pool(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
+        """Copy pool pages into engine blocks; the checksums of what was copied, once it is in place."""
+        return self._copy(pool, page_ids, block_ids, to_pool=False)
 
-    def read_pool(self, view: PageView, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
-        blocks = view.read_blocks(page_ids, self.block_bytes)
-        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
-        on_device = torch.from_numpy(blocks).pin_memory().to(self.device, non_blocking=True)
-        for run, start in zip(self.runs, self._offsets, strict=True):
-            run.rows.index_copy_(0, index, on_device[:, start : start + run.size])
-        torch.cuda.current_stream(self.device).synchronize()
-        return checksum.block_checksums(blocks)
+    def _copy(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], to_pool: bool) -> np.ndarray:
+        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (triton)
+
+        page_size = pool.view.page_size
+        if self._template is None or self._template[0] != page_size:
+            runs = [Run(r.storage, r.offset, r.block_stride, r.size) for r in self.runs]
+            self._template = (page_size, SegmentTemplate.build(runs, page_size))
+        return copy_blocks(
+            self._template[1],
+            self._bases,
+            np.asarray(block_ids, dtype=np.int64),
+            pool.cuda_address(),
+            page_ids,
+            page_size,
+            to_pool,
+            self.device,
+            self._stream,
+            after=self.ready if to_pool else None,
+        )

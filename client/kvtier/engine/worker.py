@@ -8,10 +8,11 @@ Two transports, chosen per daemon connection:
   them: a finished request's blocks are freed only once its stores are done (vLLM's
   finished_sending), and a preempted request's stores are awaited before its blocks are reused.
 - shm (CPU caches, or a daemon that refused cuda_ipc): the engine copies. Loads pin the blocks, copy
-  them out of the mapped pool into the engine's blocks, verify their checksums and release. Stores
-  copy the just-computed blocks out of the KV cache at the end of the step (so the engine may reuse
-  the blocks at once) and reserve, write and commit them on the link thread; pending store copies
-  are bounded, and beyond the bound new stores are skipped.
+  them out of the mapped pool into the engine's blocks, verify their checksums and release. A GPU
+  cache copies with the daemon's kernel (GpuKV), ordered and delayed like cuda_ipc. A CPU cache's
+  stores copy the just-computed blocks out of the KV cache at the end of the step (so the engine may
+  reuse the blocks at once) and reserve, write and commit them on the link thread; pending store
+  copies are bounded, and beyond the bound new stores are skipped.
 Loads run on the link thread while the request waits (vLLM's async load). Anything short of the full
 run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so vLLM recomputes.
 """
@@ -127,7 +128,10 @@ class BlockTransfers:
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
-            copied = self.kv.read_pool(client.state.pool().view, result.page_ids, job.block_ids)
+            if self._gpu_kv is not None:
+                copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
+            else:
+                copied = self.kv.read_pool(client.state.pool().view, result.page_ids, job.block_ids)
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
@@ -167,9 +171,9 @@ class BlockTransfers:
         hashes = [h for job in jobs for h in job.hashes]
         if not block_ids or self._disabled or self.kv is None:
             return
-        if self._gpu_kv is not None and self.link.cuda_registered:
+        if self._gpu_kv is not None:  # the daemon (cuda_ipc) or our kernel (shm) reads the blocks after this step
             self._gpu_kv.record_ready()
-            future = self.link.submit(lambda client, ns: client.store_cuda(ns, hashes, block_ids) if ns.cuda_registration else 0)
+            future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids))
             future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids)))
             for job in jobs:
                 self._device_stores[job.req_id].append(future)
@@ -183,6 +187,20 @@ class BlockTransfers:
         layers = self.kv.snapshot(block_ids)
         future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
+
+    def _store_gpu(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int]) -> int:
+        if ns.cuda_registration:
+            return client.store_cuda(ns, hashes, block_ids)
+        reservation = client.reserve(ns, hashes)
+        if not reservation.id:
+            return 0
+        chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
+        try:
+            sums = self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
+        except BaseException:
+            client.abort(reservation.id)
+            raise
+        return client.commit(reservation.id, checksums=sums)
 
     def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], layers: list[np.ndarray]) -> int:
         reservation = client.reserve(ns, hashes)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvtier import checksum
+from kvtier.copy_plan import SegmentTemplate
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 
@@ -40,6 +41,31 @@ def _copy_segments(src_addresses, dst_addresses, word_counts, first_words, parti
         z = (z ^ (z >> 31)) | 1
         total += words * z
     tl.store(partial_sums + segment, tl.sum(total, axis=0))
+
+
+def copy_blocks(
+    template: SegmentTemplate,
+    allocation_bases: np.ndarray,
+    block_ids: np.ndarray,
+    pool_address: int,
+    page_ids: np.ndarray,
+    page_size: int,
+    to_pool: bool,
+    device: torch.device,
+    stream: torch.cuda.Stream,
+    after=None,
+) -> np.ndarray:
+    """Copy whole blocks between a GPU KV cache (laid out as `template` over `allocation_bases`) and
+    pool pages, on `stream` after the event `after` (if any); returns the blocks' checksums once done."""
+    gpu, pool = template.addresses(allocation_bases, np.asarray(block_ids, dtype=np.int64), pool_address, page_ids, page_size)
+    n = len(block_ids)
+    words, first = np.tile(template.words, n), np.tile(template.first_word, n)
+    with torch.cuda.device(device):
+        if after is not None:
+            stream.wait_event(after)
+        src, dst = (gpu, pool) if to_pool else (pool, gpu)
+        partial = copy_segments(src, dst, words, first, device, stream)
+        return block_checksums(partial, n, stream)
 
 
 def copy_segments(
