@@ -20,7 +20,13 @@ from kvtier.v1 import kvtier_pb2 as pb
 
 torch = pytest.importorskip("torch")
 HERE = Path(__file__).parent
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu(test):
+    """The `gpu` marker, and a clean skip without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
 GEOMETRY = {"layers": 4, "heads": 8, "block_size": 16, "head_size": 128, "num_blocks": 64}  # 256 KiB blocks
 
 
