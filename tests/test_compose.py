@@ -21,22 +21,29 @@ def test_compose_file_matches_the_compose_specification():
 def test_engines_share_the_daemon_socket_and_pool():
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
-    gpu = [name for name, s in services.items() if s.get("profiles") == ["gpu"]]
-    cpu = [name for name, s in services.items() if s.get("profiles") == ["cpu"]]
+    engines = {name: s for name, s in services.items() if "--kv-transfer-config" in s.get("command", [])}
+    gpu = [name for name, s in engines.items() if s["profiles"] == ["gpu"]]
+    cpu = [name for name, s in engines.items() if s["profiles"] == ["cpu"]]
     assert len(gpu) == 2 and len(cpu) == 2
-    daemon = services["kvtierd"]
-    assert "profiles" not in daemon and daemon["ipc"] == "shareable"
-    assert "kvtierd-run:/run/kvtierd" in daemon["volumes"]
+    daemons = {"gpu": "kvtierd-gpu", "cpu": "kvtierd"}
+    for profile, name in daemons.items():
+        daemon = services[name]
+        assert daemon["profiles"] == [profile] and daemon["ipc"] == "shareable"
+        assert "kvtierd-run:/run/kvtierd" in daemon["volumes"]
+    gpu_daemon = services["kvtierd-gpu"]
+    assert gpu_daemon["build"]["args"]["EXTRAS"] == "cuda"  # torch and triton for the CUDA IPC copies
+    assert gpu_daemon["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name in gpu + cpu:
         engine = services[name]
-        assert engine["ipc"] == "service:kvtierd"  # the pool file in /dev/shm is visible
+        daemon = daemons[engine["profiles"][0]]
+        assert engine["ipc"] == f"service:{daemon}"  # the pool file in /dev/shm and CUDA IPC are visible
         assert "kvtierd-run:/run/kvtierd" in engine["volumes"]
         config = json.loads(engine["command"][engine["command"].index("--kv-transfer-config") + 1])
         assert config["kv_connector"] == "KVTierConnector" and config["kv_connector_module_path"] == "kvtier.vllm"
         assert config["kv_load_failure_policy"] == "recompute"
         assert config["kv_connector_extra_config"]["address"] == "unix:///run/kvtierd/kvtierd.sock"
-        assert engine["depends_on"]["kvtierd"]["condition"] == "service_healthy"
+        assert engine["depends_on"][daemon]["condition"] == "service_healthy"
     for name in gpu:
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    for dockerfile in {services[n]["build"]["dockerfile"] for n in [*gpu, *cpu, "kvtierd"]}:
+    for dockerfile in {services[n]["build"]["dockerfile"] for n in [*gpu, *cpu, *daemons.values()]}:
         assert (REPO / dockerfile).exists()

@@ -39,8 +39,13 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
     with KVTierClient(daemon.address, engine_name="gpu-engine") as client:
         ns = client.register(spec(block_bytes=4096), cache)
         assert not ns.cuda_registration
-        assert "pool is not registered with CUDA" in ns.cuda_refused or "cuda_ipc" in ns.cuda_refused
+        no_cuda = ("cannot serve cuda_ipc", "has no CUDA device", "pool is not registered with CUDA")
+        assert any(reason in ns.cuda_refused for reason in no_cuda), ns.cuda_refused
         assert client.lookup(ns, [b"h" * 32]).hit_count == 0  # the namespace works (shm transport)
+        cache.runs[0].block_stride = 1 << 20  # block 3 would end beyond the allocation
+        malformed = client.register(spec(block_bytes=4096), cache)
+        assert not malformed.cuda_registration and "beyond its allocation" in malformed.cuda_refused
+        assert malformed.id == ns.id
     assert "cuda_ipc refused" in daemon.log()
 
 

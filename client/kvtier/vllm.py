@@ -247,7 +247,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded(default=lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        # Stores copy blocks out at the end of their step, so only an unfinished load delays the free.
+        # An unfinished load delays the free; so do stores on GPU engines (the copy runs after the step;
+        # CPU engines copy the blocks out at the end of their step).
         loading = self._planner is not None and self._planner.finished(request.request_id)
         return loading, None
 

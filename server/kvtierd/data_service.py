@@ -99,7 +99,7 @@ class DataService(pb_grpc.KVTierServicer):
         if request.HasField("cuda_kv"):
             try:
                 response.cuda_registration = self.gpu.register(session.id, request.cuda_kv, ns.block_bytes).id
-            except FailedPrecondition as exc:  # the engine falls back to TRANSPORT_SHM
+            except (FailedPrecondition, InvalidArgument) as exc:  # the namespace stands; the engine uses TRANSPORT_SHM
                 response.cuda_refused = str(exc)
                 log.warning("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
         return response

@@ -62,11 +62,8 @@ class GpuTransfers:
     # ------------------------------------------------------------------ registration
 
     def register(self, session_id: str, cache: pb.CudaKVCache, block_bytes: int) -> CudaRegistration:
-        """Open an engine worker's KV cache; raises FailedPrecondition when this daemon cannot."""
-        torch = _cuda_torch()
-        if not self.pool_registered:
-            raise FailedPrecondition("the pool is not registered with CUDA (no CUDA runtime, or --cuda-register false)")
-        device_index = _device_by_uuid(torch, cache.device_uuid)
+        """Open an engine worker's KV cache; raises InvalidArgument for a malformed description and
+        FailedPrecondition when this daemon cannot (no CUDA, pool not registered, another GPU)."""
         if not cache.allocations or not cache.runs or cache.num_blocks == 0:
             raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
         runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
@@ -82,6 +79,10 @@ class GpuTransfers:
             raise InvalidArgument(str(exc)) from None
         if template.block_bytes != block_bytes:
             raise InvalidArgument(f"cuda_kv runs hold {template.block_bytes} bytes per block; the namespace says {block_bytes}")
+        torch = _cuda_torch()
+        if not self.pool_registered:
+            raise FailedPrecondition("the pool is not registered with CUDA (no CUDA runtime, or --cuda-register false)")
+        device_index = _device_by_uuid(torch, cache.device_uuid)
         with torch.cuda.device(device_index):
             try:
                 storages = [_open_storage(torch, device_index, a) for a in cache.allocations]
