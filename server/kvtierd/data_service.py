@@ -258,6 +258,8 @@ class DataService(pb_grpc.KVTierServicer):
             with self.metrics.cuda_copy_seconds.labels("store").time():
                 sums = await self.gpu.store(registration, chosen, decode_page_ids(reservation.page_ids, ns.pages_per_block))
             self.metrics.cuda_copy_bytes.labels("store").inc(len(chosen) * ns.block_bytes)
+            if registration.closing:  # the engine died during the copy: its last step may be half computed
+                raise FailedPrecondition("the engine's session ended during the store; nothing was committed")
         except BaseException:
             self.store.abort(session.id, reservation.id)
             raise
