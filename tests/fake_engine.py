@@ -122,12 +122,14 @@ class FakeEngine:
         return torch.cat([r.rows[block_ids] for r in self.kv.runs], dim=1)
 
     def fill(self, block_ids: list[int], seed: int) -> None:
+        """Write seeded data into the blocks as a forward would: queued on the compute stream behind
+        ~0.1 s of GPU work, not waited for. Only the ready event orders a store's copy after it."""
         data = seeded_blocks(self.geometry, seed, len(block_ids))
+        torch.cuda._sleep(200_000_000)
         start = 0
         for run in self.kv.runs:
             run.rows[block_ids] = data[:, start : start + run.size]
             start += run.size
-        torch.cuda.synchronize()
 
     def store(self, block_ids: list[int], hash_seed: int, req_id: str = "req") -> None:
         """As the connector does after a forward: save, then (here) wait for the daemon's copy."""

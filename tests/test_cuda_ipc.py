@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from blocks import spec
 from daemon import DaemonProcess
@@ -19,6 +20,8 @@ from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
 
 torch = pytest.importorskip("torch")
+from fake_engine import Geometry, block_hashes, namespace_spec, seeded_blocks  # noqa: E402 (needs torch)
+
 HERE = Path(__file__).parent
 
 
@@ -93,6 +96,11 @@ def test_round_trip_engine_a_to_engine_b_byte_exact(start_daemon, layout):
     assert b[0]["loaded"] and b[0]["cuda_ipc"]
     assert b[1]["matches"]
     assert "cuda_ipc registered" in daemon.log() and "cuda_ipc closed" in daemon.log()
+    # the kernel's checksums are kvtier's: an inline load verifies them with kvtier.checksum on the CPU
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(namespace_spec(Geometry(**GEOMETRY), layout))
+        inline = client.load(ns, block_hashes(7, 8), transport="inline")
+    assert np.array_equal(inline, seeded_blocks(Geometry(**GEOMETRY), 7, 40)[:8].cpu().numpy())
 
 
 @gpu

@@ -202,26 +202,32 @@ def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_r
 
 def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     """GPU engines (the daemon reads the blocks after the step): a finished request's blocks wait for
-    its stores (vLLM's finished_sending), preempted requests' stores are awaited (handle_preemptions)."""
+    its stores (vLLM's finished_sending); a preempted request's unsent stores are dropped and its
+    blocks are no longer held (vLLM freed them)."""
     planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(), delay_free_for_stores=True)
     hashes = chain_hashes("gpu-frees", 4)
-    planner.matched_tokens("r", hashes, 4 * BLOCK_TOKENS + 1, 0, None)
-    plan = planner.plan_step([("r", 4 * BLOCK_TOKENS, hashes, [0, 1, 2, 3])], preempted=["p"])
-    assert plan.preempted == ["p"] and [j.req_id for j in plan.stores] == ["r"]
+    for req_id in ("r", "p"):
+        planner.matched_tokens(req_id, hashes, 4 * BLOCK_TOKENS + 1, 0, None)
+    plan = planner.plan_step([(r, 4 * BLOCK_TOKENS, hashes, [0, 1, 2, 3]) for r in ("r", "p")])
+    assert [j.req_id for j in plan.stores] == ["r", "p"]
+    assert planner.plan_step([], preempted=["p"]).preempted == ["p"]
     assert planner.finished("r") is True  # stores planned: vLLM keeps the blocks until the workers say so
+    assert planner.finished("p") is False  # preempted: its blocks went back already
     assert planner.finished("no-stores") is False
 
     worker, _ = transfers(link, seed=2)
     worker.delay_frees = True
     release = threading.Event()
-    slow = link.submit(lambda client, ns: release.wait(10))  # the link is busy: the store waits behind it
+    running = link.submit(lambda client, ns: release.wait(10))  # a daemon call under way
+    queued = link.submit(lambda client, ns: 1)  # a store still waiting for the link thread
     worker.save(plan.stores)
-    worker._device_stores["r"].append(slow)  # as a cuda_ipc store in flight would be
+    worker._device_stores["r"].append(running)  # as cuda_ipc stores in flight would be
+    worker._device_stores["p"].append(queued)
     assert worker.finished_stores({"r"}) == set()  # not yet: the daemon has not copied
     started = time.monotonic()
-    worker.fence({"r"}, timeout=0.2)  # bounded
-    assert 0.15 < time.monotonic() - started < 2
+    worker.fence({"p"}, timeout=5)
+    assert queued.cancelled() and time.monotonic() - started < 1  # never sent, so nothing to wait for
     release.set()
-    wait(lambda: slow.done())
+    wait(lambda: running.done())
     assert worker.finished_stores(set()) == {"r"}  # remembered from before: reported once done
-    assert worker.finished_stores({"r"}) == set()
+    assert worker.finished_stores({"r", "p"}) == set()

@@ -81,8 +81,8 @@ class PoolMapping:
 
             self.populate()
             self._cuda = CudaHostRegistration(address, self.view.pages.nbytes)
-        if not self._cuda.active:
-            raise OSError("cudaHostRegister of the pool mapping failed")
+        if not self._cuda.active:  # not an OSError: that would read as the daemon being gone
+            raise RuntimeError("cudaHostRegister of the pool mapping failed")
         return address
 
     def populate(self) -> None:

@@ -301,7 +301,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Preempted requests' blocks are reused next: let the daemon finish reading them first."""
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._transfers is not None and plan is not None and plan.preempted:
-            self._transfers.fence(set(plan.preempted), self.config.timeout_s)
+            self._transfers.fence(set(plan.preempted), self.config.timeout_s + 1.0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous

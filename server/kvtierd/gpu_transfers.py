@@ -139,10 +139,16 @@ class GpuTransfers:
         return await self._run(registration, self._copy, registration, block_ids, page_ids, False)
 
     async def _run(self, registration: CudaRegistration, fn, *args):
+        if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
+            raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.check_blocks(args[1])
         registration.in_flight += 1
+        copy = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.shield(copy)
+        except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
+            await _settled(copy)
+            raise
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
@@ -194,15 +200,31 @@ class GpuTransfers:
         registration.ready_event = None
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 
+    def warm_up(self) -> None:
+        """Import torch and triton now (seconds), not in the first engine's Register."""
+        try:
+            _cuda_torch()
+        except FailedPrecondition as exc:
+            log.info("cuda_ipc unavailable", extra={"reason": str(exc)})
+
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)  # copies in flight end before the mappings go
         for registration in list(self._registrations.values()):
             self._close(registration)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
 
     @property
     def registrations(self) -> int:
         return len(self._registrations)
+
+
+async def _settled(future: asyncio.Future) -> None:
+    """Wait for `future` to finish whatever happens to the waiter meanwhile."""
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except BaseException:  # noqa: BLE001 (its own error, or our cancellation: keep waiting)
+            pass
 
 
 def _cuda_torch():

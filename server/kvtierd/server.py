@@ -138,6 +138,8 @@ def build(config: Config) -> Daemon:
         ]
     )
     gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered)
+    if cuda_registered:
+        gpu.warm_up()
     data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu)
     pb_grpc.add_KVTierServicer_to_server(data, server)
     pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info, fs), server)

@@ -141,6 +141,7 @@ class PrefixPlanner:
         the request's block hashes, its block ids) for every request in the step."""
         self._flush_lookups()
         plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads, preempted=list(preempted or ()))
+        self._storing -= set(plan.preempted)  # the workers fence them: their blocks are free already
         self._loads = []
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)

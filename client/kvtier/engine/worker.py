@@ -241,11 +241,14 @@ class BlockTransfers:
         return done
 
     def fence(self, req_ids: set[str], timeout: float) -> None:
-        """Wait (bounded) until the daemon copied the blocks of these requests (they are preempted and
-        their blocks are about to be reused)."""
-        futures = [f for r in req_ids for f in self._device_stores.get(r, [])]
-        if futures:
-            wait_futures(futures, timeout=timeout)
+        """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
+        dropped, and the ones under way are awaited (each is bounded by its call's deadline, after
+        which the daemon aborts it rather than commit bytes it may have read late)."""
+        futures = [f for r in req_ids for f in self._device_stores.pop(r, [])]
+        self._finishing -= req_ids
+        under_way = [f for f in futures if not f.cancel()]  # cancel() works for calls still queued
+        if under_way:
+            wait_futures(under_way, timeout=timeout)
 
     def take_stats(self) -> WorkerStats:
         with self._lock:
