@@ -13,7 +13,8 @@ Two transports, chosen per daemon connection:
   stores copy the just-computed blocks out of the KV cache at the end of the step (so the engine may
   reuse the blocks at once) and reserve, write and commit them on the link thread; pending store
   copies are bounded, and beyond the bound new stores are skipped.
-Loads run on the link thread while the request waits (vLLM's async load). Anything short of the full
+Loads run on the link thread while the request waits (vLLM's async load); a CPU cache's copy out of
+the pool runs on the engine's thread between steps (see `_load`). Anything short of the full
 run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so vLLM recomputes.
 """
 
@@ -37,7 +38,8 @@ from kvtier.engine.kv_blocks import LayerMajorKV
 if TYPE_CHECKING:
     from kvtier.engine.gpu_kv import GpuKV
 from kvtier.engine.link import DaemonLink
-from kvtier.ops import Namespace
+from kvtier.ops import LookupResult, Namespace
+from kvtier.pool_view import PageView
 from kvtier.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.engine")
@@ -58,6 +60,14 @@ class LoadFailed(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Pinned:
+    """Blocks the daemon pinned for a load, and the pool mapping they are in."""
+
+    result: LookupResult
+    view: PageView
+
+
 @dataclass
 class BlockTransfers:
     link: DaemonLink
@@ -69,7 +79,7 @@ class BlockTransfers:
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
     _disabled: str = ""
-    _loads: dict[str, Future] = field(default_factory=dict)
+    _loads: dict[str, tuple[LoadJob, Future]] = field(default_factory=dict)
     _pending_store_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _device_stores: dict[str, list[Future]] = field(default_factory=dict)  # per request: daemon copies in flight
@@ -111,12 +121,15 @@ class BlockTransfers:
             try:
                 if self._disabled or self.kv is None:
                     raise LoadFailed(self._disabled or "no KV cache registered")
-                self._loads[job.req_id] = self.link.submit(lambda client, ns, job=job: self._load(client, ns, job))
+                self._loads[job.req_id] = job, self.link.submit(lambda client, ns, job=job: self._load(client, ns, job))
             except Exception as exc:  # noqa: BLE001
-                self._loads[job.req_id] = _failed_future(str(exc))
+                self._loads[job.req_id] = job, _failed_future(str(exc))
 
-    def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob) -> int:
-        """Copy the blocks into the engine's blocks, then check them; on failure vLLM recomputes them."""
+    def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob) -> int | _Pinned:
+        """On the link thread: bytes loaded (GPU caches: copied and checked here), or the pinned blocks
+        a CPU cache copies on the engine's own thread (`finished_loads`). A CPU copy here would run
+        many numpy calls, each waiting for the GIL that the engine's busy loop holds: several times
+        slower than the same copy between two steps."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         if ns.cuda_registration:
@@ -125,13 +138,12 @@ class BlockTransfers:
                 raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
             return loaded * ns.block_bytes
         result = client.lookup(ns, job.hashes, pin=True)
+        if result.hit_count == len(job.hashes) and self._gpu_kv is None:
+            return _Pinned(result, client.state.pool().view)  # released once the engine thread copied
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
-            if self._gpu_kv is not None:
-                copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
-            else:
-                copied = self.kv.read_pool(client.state.pool().view, result.page_ids, job.block_ids)
+            copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
@@ -139,16 +151,29 @@ class BlockTransfers:
             raise LoadFailed("a block failed its checksum")
         return len(job.block_ids) * ns.block_bytes
 
+    def _copy_pinned(self, job: LoadJob, pinned: _Pinned) -> int:
+        """On the engine's thread, between steps: copy pinned pool blocks into the engine's blocks."""
+        try:
+            copied = self.kv.read_pool(pinned.view, pinned.result.page_ids, job.block_ids)
+        finally:
+            lease = pinned.result.lease_id
+            self.link.submit(lambda client, ns: client.release(lease))
+        if checksum.mismatched(copied, pinned.result.checksums).any():
+            raise LoadFailed("a block failed its checksum")
+        return len(job.block_ids) * self.kv.block_bytes
+
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids; failed ones are in both."""
         finished, failed = set(), set()
-        for req_id, future in list(self._loads.items()):
+        for req_id, (job, future) in list(self._loads.items()):
             if not future.done():
                 continue
             del self._loads[req_id]
             finished.add(req_id)
             try:
                 loaded = future.result()
+                if isinstance(loaded, _Pinned):
+                    loaded = self._copy_pinned(job, loaded)
             except Exception as exc:  # noqa: BLE001 (any failure, DaemonUnavailable or LoadFailed included, means recompute)
                 failed.add(req_id)
                 with self._lock:
