@@ -213,10 +213,6 @@ class GpuTransfers:
         for registration in list(self._registrations.values()):
             self._close(registration)
 
-    @property
-    def registrations(self) -> int:
-        return len(self._registrations)
-
 
 async def _settled(future: asyncio.Future) -> None:
     """Wait for `future` to finish whatever happens to the waiter meanwhile."""
