@@ -224,7 +224,7 @@ def write_block(
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
     try:
         _pwritev_all(fd, iov, 0)
-        if direct:
+        if direct and length % ALIGN:
             os.ftruncate(fd, ALIGN + length)  # drop the alignment padding
         if durable:
             os.fsync(fd)

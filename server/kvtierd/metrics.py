@@ -101,7 +101,7 @@ def _fs_metrics(fs: FsTier, counters: FsCounters):
         skipped.add_metric([reason], health.skipped[reason])
     yield skipped
     yield GaugeMetricFamily("kvtierd_fs_stores_paused", "1 while writes to disk are paused after a failure.", value=health.paused)
-    yield GaugeMetricFamily("kvtierd_fs_queue_bytes", "Bytes of evicted blocks waiting to be written.", value=fs.queued_bytes)
+    yield GaugeMetricFamily("kvtierd_fs_queue_bytes", "Bytes of evicted blocks waiting to be written.", value=fs.staging.queued)
 
 
 class Metrics:
