@@ -355,3 +355,19 @@ def test_tier_off_refuses_fs_admin_requests(daemon):
         daemon.admin("ListBlocks", tier="fs")
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert [t.tier for t in daemon.admin("GetStats").tiers] == ["ram"]
+
+
+def test_directory_fsyncs_are_group_committed(fs_daemons):
+    """One eviction of 16 blocks on one I/O thread: the first file's directory fsync job queues behind
+    the other 15 writes, so those 15 are committed by a single second job, not one fsync each."""
+    daemon = fs_daemons("--fs-io-threads", "1")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("group", 32)
+        client.store(ns, hashes[:16], contents(hashes[:16], BLOCK))  # fills the pool
+        assert client.store(ns, hashes[16:], contents(hashes[16:], BLOCK)) == 16  # evicts all 16 at once
+        stats = wait_on_disk(daemon, 16)
+        assert stats.stored_blocks == 16 and all(block_file(daemon, ns.id, h).is_file() for h in hashes[:16])
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
+        assert "kvtierd_fs_directory_syncs_total 2.0" in metrics
+        assert np.array_equal(client.load(ns, hashes[:16]), contents(hashes[:16], BLOCK))

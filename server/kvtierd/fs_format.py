@@ -10,9 +10,11 @@ namespace digest, hash, length, xxh3-64 of the bytes, kvtier checksum, created t
 zero padding up to the data offset, then the block's raw bytes. The data offset is 4096 for files
 written with O_DIRECT (so data reads can be direct too), else right after the header.
 
-Writes go to a `.tmp` name, are fsync'd, renamed into place and the directory fsync'd: a crash at any
-moment leaves no file (maybe a stray .tmp, removed at the next start) or the complete block. Reads
-check the header and the xxh3 of the bytes; anything else raises BadBlock.
+Writes go to a `.tmp` name, are fsync'd and renamed into place: a crash at any moment leaves no file
+(maybe a stray .tmp, removed at the next start) or the complete block. The directory is fsync'd after
+the rename (for many renames at once, by the tier) to make the block's presence durable; a rename a
+crash undid only loses the block. Reads check the header and the xxh3 of the bytes; anything else
+raises BadBlock.
 
 Everything here is blocking file I/O, called on the tier's thread pool, never on the event loop.
 """
@@ -23,7 +25,7 @@ import fcntl
 import os
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +84,12 @@ def namespace_dir(root: Path, digest: str) -> Path:
 
 def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
     return root / digest / _FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
+
+
+def fsync_directories(paths: Iterable[Path]) -> None:
+    """Make the renames done in these directories durable."""
+    for path in paths:
+        _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -196,9 +204,12 @@ def write_block(
     direct: bool,
     durable: bool = True,
 ) -> None:
-    """Write a block atomically. `segments` hold its bytes (with O_DIRECT: at least align_up(length),
-    from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long). `durable=False`
-    skips the fsyncs (only for filling a tier in benchmarks: a crash may then lose or tear files)."""
+    """Write a block atomically: the file is complete (and, when `durable`, fsync'd) before it is renamed
+    into place. The rename itself is durable once the directory is fsync'd: fsync_directories, which
+    the tier runs for many blocks at once. `segments` hold its bytes (with O_DIRECT: at least
+    align_up(length), from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN
+    long). `durable=False` skips the fsync (only for filling a tier in benchmarks: a crash may then
+    tear files)."""
     data = _trim(segments, length)
     header = msgpack.packb(
         {
@@ -236,8 +247,6 @@ def write_block(
             os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
-    if durable:
-        _fsync_dir(path.parent)
 
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:

@@ -18,6 +18,10 @@ until the read returns), reads each file straight into those pages, all reads of
 verifies them and commits the reservation. A block that fails (bad checksum, truncated, missing) is
 dropped from both tiers, so the prefix ends before it.
 
+A block file is written, fsync'd and renamed on an I/O thread; the directory fsyncs that make the
+renames durable are group-committed (fs_commit), and a block enters the index only after its
+directory fsync, so the index never claims a block that a crash could lose.
+
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
 """
@@ -42,6 +46,7 @@ from tqdm import tqdm
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.block_store import Block, BlockStore, Namespace, Reservation
 from kvtierd.errors import KVTierError, NotFound
+from kvtierd.fs_commit import GroupCommit
 from kvtierd.fs_format import (
     BadBlock,
     Header,
@@ -115,6 +120,7 @@ class FsTier:
         self._promotions: dict[Key, asyncio.Future] = {}
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
+        self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed)
 
     # ------------------------------------------------------------------ start and stop
 
@@ -159,9 +165,10 @@ class FsTier:
         return specs
 
     async def close(self, timeout: float) -> None:
-        """Wait (up to `timeout`) for file jobs in flight, then stop the thread pool."""
-        if self._jobs:
-            await asyncio.wait(set(self._jobs), timeout=timeout)
+        """Wait (up to `timeout`) for file jobs in flight (and the jobs they start), then stop the thread pool."""
+        deadline = time.monotonic() + timeout
+        while self._jobs and time.monotonic() < deadline:
+            await asyncio.wait(set(self._jobs), timeout=deadline - time.monotonic())
         if self._jobs:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -303,19 +310,32 @@ class FsTier:
         write_block(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, segments, self.direct)
 
     def _written(self, job: _Write, done: Callable, future: asyncio.Future) -> None:
+        """The file is complete and renamed (or failed): its bytes are no longer needed; once its
+        directory is fsync'd too (group commit), `_committed` indexes it."""
         done()
-        ns = job.namespace
-        del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        if exc is None:
+            self.commits.add(self._path_of(job.namespace.id, job.hash).parent, job)
+            return
+        del self._writes[(job.namespace.id, job.hash)]
+        self.index.unreserve(job.namespace.block_bytes)
+        self._write_failed(exc)
+
+    def _committed(self, jobs: list[_Write], exc: BaseException | None) -> None:
         if exc is not None:
-            self.index.unreserve(ns.block_bytes)
             self._write_failed(exc)
-        elif job.cancelled:
-            self.index.unreserve(ns.block_bytes)
-            self._run(_unlink, self._path_of(ns.id, job.hash))
-        else:
-            self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
-            self.index.counters[ns.id].stored_blocks += 1
+        dropped = []
+        for job in jobs:
+            ns = job.namespace
+            del self._writes[(ns.id, job.hash)]
+            if exc is not None or job.cancelled:  # not indexed: its file goes
+                self.index.unreserve(ns.block_bytes)
+                dropped.append(self._path_of(ns.id, job.hash))
+            else:
+                self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
+                self.index.counters[ns.id].stored_blocks += 1
+        if dropped:
+            self._run(_unlink_all, dropped)
 
     def _write_failed(self, exc: BaseException) -> None:
         self.health.write_errors += 1
