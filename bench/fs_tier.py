@@ -48,7 +48,7 @@ from blocks import chain_hashes, contents, spec  # noqa: E402
 
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
-from kvtierd.fs_format import aligned_empty, block_path, write_block, write_spec  # noqa: E402
+from kvtierd.fs_format import aligned_empty, block_path, write_spec, write_temporary  # noqa: E402
 from kvtierd.namespace import namespace_digest  # noqa: E402
 
 BLOCK = 2 << 20
@@ -249,7 +249,7 @@ def fill(fs_dir: Path, count: int) -> tuple[pb.NamespaceSpec, list[bytes]]:
     def write(start: int) -> None:
         for i in range(start, min(start + 4096, count)):
             path = block_path(fs_dir, digest, hashes[i])
-            write_block(path, digest, hashes[i], SMALL_BLOCK, 0, time.time(), [payload[i % 64]], False, False)
+            os.rename(write_temporary(path, digest, hashes[i], SMALL_BLOCK, 0, time.time(), [payload[i % 64]], False), path)
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(write, range(0, count, 4096)))

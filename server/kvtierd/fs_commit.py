@@ -1,28 +1,34 @@
-"""Group commit of the directory fsyncs that make block files' renames durable.
+"""Group commit of written block files: the fsyncs and renames that make them durable and visible.
 
-A block file is complete and fsync'd before it is renamed into place, so after a crash its name either
-points at the whole block or is gone; what the directory fsync adds is that the name survives a crash.
-One fsync of a directory covers every rename made in it before, so instead of one per file the tier
-hands each renamed file here: one job at a time fsyncs every directory with renames waiting, and the
-files that arrive meanwhile wait for the next job. Only when the job covering a file is done does the
-tier index the block, so the index (and the index file written from it) never claims a block that a
-crash could lose.
+I/O threads write each block to a temporary file and hand it here. One commit job at a time takes every
+file waiting (fs_format.commit_files: fsync each, rename each into place, fsync their directories), and
+the files written meanwhile wait for the next job. An fsync per file would wait for a journal commit per
+file; here one commit serves the whole group, while the I/O threads go on writing. Only when the job
+covering a file is done does the tier index the block, so the index (and anything written from it)
+never claims a block that a crash could lose.
 
-Runs on the event loop; the fsyncs run on the tier's thread pool (through `run`).
+Runs on the event loop; the jobs run on the tier's thread pool (through `run`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from kvtierd.fs_format import fsync_directories
+from kvtierd.fs_format import commit_files
 
 Job = TypeVar("Job")
+
+
+@dataclass(frozen=True)
+class _Written(Generic[Job]):
+    temporary: Path
+    path: Path
+    job: Job
 
 
 class GroupCommit(Generic[Job]):
@@ -32,26 +38,27 @@ class GroupCommit(Generic[Job]):
         committed: Callable[[list[Job], BaseException | None], None],
     ) -> None:
         self._run = run
-        self._committed = committed  # called with the jobs of each directory fsync job and its error
-        self._waiting: dict[Path, list[Job]] = defaultdict(list)
+        self._committed = committed  # called with the jobs of each commit and its error
+        self._waiting: list[_Written[Job]] = []
         self._busy = False
-        self.syncs = 0  # directory fsync jobs run
+        self.commits = 0  # commit jobs run
 
-    def add(self, directory: Path, job: Job) -> None:
-        """`job`'s file was renamed into `directory`: commit it with the next directory fsync job."""
-        self._waiting[directory].append(job)
+    def add(self, temporary: Path, path: Path, job: Job) -> None:
+        """`job`'s block is complete in `temporary`: commit it to `path` with the next commit job."""
+        self._waiting.append(_Written(temporary, path, job))
         if not self._busy:
             self._start()
 
     def _start(self) -> None:
-        batch, self._waiting = self._waiting, defaultdict(list)
+        group, self._waiting = self._waiting, []
         self._busy = True
-        self.syncs += 1
-        self._run(fsync_directories, list(batch)).add_done_callback(partial(self._done, batch))
+        self.commits += 1
+        files = [(w.temporary, w.path) for w in group]
+        self._run(commit_files, files).add_done_callback(partial(self._done, group))
 
-    def _done(self, batch: dict[Path, list[Job]], future: asyncio.Future) -> None:
+    def _done(self, group: list[_Written[Job]], future: asyncio.Future) -> None:
         self._busy = False
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
-        self._committed([job for jobs in batch.values() for job in jobs], exc)
+        self._committed([w.job for w in group], exc)
         if self._waiting:
             self._start()

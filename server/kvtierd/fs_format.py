@@ -10,11 +10,10 @@ namespace digest, hash, length, xxh3-64 of the bytes, kvtier checksum, created t
 zero padding up to the data offset, then the block's raw bytes. The data offset is 4096 for files
 written with O_DIRECT (so data reads can be direct too), else right after the header.
 
-Writes go to a `.tmp` name, are fsync'd and renamed into place: a crash at any moment leaves no file
-(maybe a stray .tmp, removed at the next start) or the complete block. The directory is fsync'd after
-the rename (for many renames at once, by the tier) to make the block's presence durable; a rename a
-crash undid only loses the block. Reads check the header and the xxh3 of the bytes; anything else
-raises BadBlock.
+Writes go to a `.tmp` name; then, for many files at once (commit_files), each is fsync'd, renamed into
+place, and the directories fsync'd: a crash at any moment leaves no file (maybe a stray .tmp, removed
+at the next start) or the complete block, and a rename a crash undid only loses the block. Reads check
+the header and the xxh3 of the bytes; anything else raises BadBlock.
 
 Everything here is blocking file I/O, called on the tier's thread pool, never on the event loop.
 """
@@ -25,7 +24,7 @@ import fcntl
 import os
 import secrets
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,12 +83,6 @@ def namespace_dir(root: Path, digest: str) -> Path:
 
 def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
     return root / digest / _FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
-
-
-def fsync_directories(paths: Iterable[Path]) -> None:
-    """Make the renames done in these directories durable."""
-    for path in paths:
-        _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -193,7 +186,7 @@ def probe_direct_io(root: Path) -> bool:
         path.unlink(missing_ok=True)
 
 
-def write_block(
+def write_temporary(
     path: Path,
     digest: str,
     block_hash: bytes,
@@ -202,14 +195,11 @@ def write_block(
     created_at: float,
     segments: Sequence[memoryview],
     direct: bool,
-    durable: bool = True,
-) -> None:
-    """Write a block atomically: the file is complete (and, when `durable`, fsync'd) before it is renamed
-    into place. The rename itself is durable once the directory is fsync'd: fsync_directories, which
-    the tier runs for many blocks at once. `segments` hold its bytes (with O_DIRECT: at least
+) -> Path:
+    """Write a block's file under a temporary name next to `path` (not fsync'd: commit_files makes it
+    durable and renames it into place). `segments` hold its bytes (with O_DIRECT: at least
     align_up(length), from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN
-    long). `durable=False` skips the fsync (only for filling a tier in benchmarks: a crash may then
-    tear files)."""
+    long). Returns the temporary's path."""
     data = _trim(segments, length)
     header = msgpack.packb(
         {
@@ -237,20 +227,40 @@ def write_block(
         _pwritev_all(fd, iov, 0)
         if direct and length % ALIGN:
             os.ftruncate(fd, ALIGN + length)  # drop the alignment padding
-        if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.rename(temporary, path)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
         temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return temporary
+
+
+def commit_files(files: Sequence[tuple[Path, Path]]) -> None:
+    """Group commit of (temporary, final path) pairs from write_temporary: fsync every temporary, then
+    rename each into place, then fsync their directories. A final name therefore only ever points at a
+    complete, durable file; after the directory fsyncs the names are durable too. One journal commit
+    serves many files, where an fsync per file waits for one each. On an error every file of the group
+    is removed (none was indexed) and the error raised."""
+    try:
+        for temporary, _ in files:
+            fd = os.open(temporary, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for temporary, path in files:
+            os.rename(temporary, path)
+        for directory in {path.parent for _, path in files}:
+            _fsync_dir(directory)
+    except BaseException:
+        for temporary, path in files:
+            temporary.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         raise
 
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
-    """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_block) and
+    """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_temporary) and
     verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -307,11 +317,14 @@ class ScannedNamespace:
 
 def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
     """The blocks a namespace directory holds, from file names alone (headers are checked on first read)."""
+    strays = 0
+    for stray in directory.glob(f"{SPEC_FILE}.*{TMP_SUFFIX}"):  # a spec write that was interrupted
+        stray.unlink(missing_ok=True)
+        strays += 1
     spec = read_spec(directory)
     if spec is None:
         return None
     hashes: list[bytes] = []
-    strays = 0
     for name in _FANOUT:
         try:
             entries = os.listdir(directory / name)

@@ -18,9 +18,9 @@ until the read returns), reads each file straight into those pages, all reads of
 verifies them and commits the reservation. A block that fails (bad checksum, truncated, missing) is
 dropped from both tiers, so the prefix ends before it.
 
-A block file is written, fsync'd and renamed on an I/O thread; the directory fsyncs that make the
-renames durable are group-committed (fs_commit), and a block enters the index only after its
-directory fsync, so the index never claims a block that a crash could lose.
+A block is written to a temporary file on an I/O thread; its fsync, rename and directory fsync are
+group-committed with the other files written meanwhile (fs_commit), and it enters the index only
+after that, so the index never claims a block that a crash could lose.
 
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
@@ -56,8 +56,8 @@ from kvtierd.fs_format import (
     probe_direct_io,
     read_block,
     scan_namespace,
-    write_block,
     write_spec,
+    write_temporary,
 )
 from kvtierd.fs_index import FsCounters, FsEntry, FsIndex
 from kvtierd.fs_staging import StagingBuffers
@@ -300,22 +300,22 @@ class FsTier:
         future = self._run(self._write_file, job, checksum, segments, [self._path(v) for v in victims])
         future.add_done_callback(partial(self._written, job, done))
 
-    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview], evicted: list[Path]) -> None:
+    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview], evicted: list[Path]) -> Path:
         _unlink_all(evicted)  # first, so the files on disk never exceed --fs-size
         ns = job.namespace
         if ns.id not in self._spec_written:
             write_spec(self.root, ns.spec)
             self._spec_written.add(ns.id)
         path = self._path_of(ns.id, job.hash)
-        write_block(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, segments, self.direct)
+        return write_temporary(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, segments, self.direct)
 
     def _written(self, job: _Write, done: Callable, future: asyncio.Future) -> None:
-        """The file is complete and renamed (or failed): its bytes are no longer needed; once its
-        directory is fsync'd too (group commit), `_committed` indexes it."""
+        """The block's temporary file is complete (or failed): its bytes are no longer needed; once the
+        group commit made it durable under its name, `_committed` indexes it."""
         done()
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
         if exc is None:
-            self.commits.add(self._path_of(job.namespace.id, job.hash).parent, job)
+            self.commits.add(future.result(), self._path_of(job.namespace.id, job.hash), job)
             return
         del self._writes[(job.namespace.id, job.hash)]
         self.index.unreserve(job.namespace.block_bytes)

@@ -101,9 +101,9 @@ def _fs_metrics(fs: FsTier, counters: FsCounters):
         skipped.add_metric([reason], health.skipped[reason])
     yield skipped
     yield CounterMetricFamily(
-        "kvtierd_fs_directory_syncs",
-        "Group commits: jobs that fsync'd the directories of block files renamed since the last one.",
-        value=fs.commits.syncs,
+        "kvtierd_fs_commits",
+        "Group commits: jobs that fsync'd, renamed and directory-fsync'd the block files written since the last.",
+        value=fs.commits.commits,
     )
     yield GaugeMetricFamily("kvtierd_fs_stores_paused", "1 while writes to disk are paused after a failure.", value=health.paused)
     yield GaugeMetricFamily("kvtierd_fs_queue_bytes", "Bytes of evicted blocks waiting to be written.", value=fs.staging.queued)
