@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.fs_snapshot import Known
 from kvtierd.namespace import namespace_digest
 
 MAGIC = b"KVTB"
@@ -43,7 +44,7 @@ TMP_SUFFIX = ".tmp"
 SPEC_FILE = "namespace.pb"
 _PREFIX = struct.Struct("<4sI")
 _IOV_MAX = 1024
-_FANOUT = [f"{i:02x}" for i in range(256)]
+FANOUT = [f"{i:02x}" for i in range(256)]
 
 
 class BadBlock(Exception):
@@ -82,7 +83,7 @@ def namespace_dir(root: Path, digest: str) -> Path:
 
 
 def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
-    return root / digest / _FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
+    return root / digest / FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -146,7 +147,7 @@ def write_spec(root: Path, spec: pb.NamespaceSpec) -> None:
     directory = namespace_dir(root, namespace_digest(spec))
     if (directory / SPEC_FILE).exists():
         return
-    for name in _FANOUT:
+    for name in FANOUT:
         (directory / name).mkdir(parents=True, exist_ok=True)
     temporary = directory / f"{SPEC_FILE}.{secrets.token_hex(6)}{TMP_SUFFIX}"
     with open(temporary, "wb") as f:
@@ -313,10 +314,12 @@ class ScannedNamespace:
     spec: pb.NamespaceSpec
     hashes: list[bytes]
     strays: int  # .tmp files of interrupted writes, removed
+    listed: int  # fan-out directories listed (the others were taken from the index file)
 
 
-def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
-    """The blocks a namespace directory holds, from file names alone (headers are checked on first read)."""
+def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNamespace | None:
+    """The blocks a namespace directory holds, from file names alone (headers are checked on first read);
+    a fan-out directory whose mtime equals the one `known` from the index file is not listed."""
     strays = 0
     for stray in directory.glob(f"{SPEC_FILE}.*{TMP_SUFFIX}"):  # a spec write that was interrupted
         stray.unlink(missing_ok=True)
@@ -325,13 +328,23 @@ def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
     if spec is None:
         return None
     hashes: list[bytes] = []
-    for name in _FANOUT:
+    listed = 0
+    size = spec.hash_bytes
+    for name in FANOUT:
+        recorded = known.get(name)
         try:
+            if recorded is not None and len(recorded[1]) % size == 0 and os.stat(directory / name).st_mtime_ns == recorded[0]:
+                blob = recorded[1]
+                hashes.extend(blob[i : i + size] for i in range(0, len(blob), size))
+                if progress is not None:
+                    progress.update(1)
+                continue
             entries = os.listdir(directory / name)
         except FileNotFoundError:
             continue
+        listed += 1
         for entry in entries:
-            if entry.endswith(SUFFIX) and entry.startswith(name) and len(entry) == 2 * spec.hash_bytes + len(SUFFIX):
+            if entry.endswith(SUFFIX) and entry.startswith(name) and len(entry) == 2 * size + len(SUFFIX):
                 try:
                     hashes.append(bytes.fromhex(entry[: -len(SUFFIX)]))
                 except ValueError:
@@ -341,4 +354,4 @@ def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
             strays += 1
         if progress is not None:
             progress.update(1)
-    return ScannedNamespace(spec, hashes, strays)
+    return ScannedNamespace(spec, hashes, strays, listed)

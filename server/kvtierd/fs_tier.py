@@ -48,6 +48,8 @@ from kvtierd.block_store import Block, BlockStore, Namespace, Reservation
 from kvtierd.errors import KVTierError, NotFound
 from kvtierd.fs_commit import GroupCommit
 from kvtierd.fs_format import (
+    FANOUT,
+    TMP_SUFFIX,
     BadBlock,
     Header,
     align_up,
@@ -60,6 +62,7 @@ from kvtierd.fs_format import (
     write_temporary,
 )
 from kvtierd.fs_index import FsCounters, FsEntry, FsIndex
+from kvtierd.fs_snapshot import INDEX_FILE, directory_mtimes, read_index_file, write_index_file
 from kvtierd.fs_staging import StagingBuffers
 from kvtierd.shm_pool import SharedPool
 
@@ -69,7 +72,6 @@ FS_TIER = "fs"
 PAUSE_SECONDS = 30.0
 _PROMOTER = "kvtierd-fs-promotion"  # owner of promotion reservations (no session has this id)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
-_FANOUT_DIRS = 256
 
 Key = tuple[str, bytes]
 
@@ -83,6 +85,7 @@ class FsSettings:
     io_threads: int
     direct_io: bool
     queue_bytes: int
+    index_interval: float  # seconds between index file writes
 
 
 @dataclass
@@ -121,6 +124,7 @@ class FsTier:
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed)
+        self._saved_changes = -1  # index.changes when the index file was last written
 
     # ------------------------------------------------------------------ start and stop
 
@@ -134,12 +138,16 @@ class FsTier:
             if not self.direct:
                 log.warning("the filesystem refuses O_DIRECT; the fs tier uses buffered I/O", extra={"path": str(self.root)})
         directories = sorted(d for d in self.root.iterdir() if d.is_dir() and _DIGEST.fullmatch(d.name))
-        specs, strays = [], 0
+        known = read_index_file(self.root)
+        specs, strays, listed = [], 0, 0
+        for stray in self.root.glob(f"{INDEX_FILE}.*{TMP_SUFFIX}"):  # an interrupted index file write
+            stray.unlink(missing_ok=True)
+            strays += 1
         with tqdm(
-            total=len(directories) * _FANOUT_DIRS, desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
+            total=len(directories) * len(FANOUT), desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
         ) as bar:
             for directory in directories:
-                scanned = scan_namespace(directory, bar)
+                scanned = scan_namespace(directory, known.get(directory.name, {}), bar)
                 if scanned is None:
                     log.warning("ignoring a directory without a valid namespace.pb", extra={"path": str(directory)})
                     continue
@@ -147,6 +155,7 @@ class FsTier:
                 self._spec_written.add(directory.name)
                 specs.append(scanned.spec)
                 strays += scanned.strays
+                listed += scanned.listed
         excess = self.index.over_capacity()
         list(self.executor.map(_unlink, [self._path(e) for e in excess]))
         log.info(
@@ -158,6 +167,8 @@ class FsTier:
                 "capacity": self.settings.capacity,
                 "evicted_over_capacity": len(excess),
                 "stray_files_removed": strays,
+                "directories_listed": listed,
+                "directories_from_index_file": len(directories) * len(FANOUT) - listed,
                 "direct_io": self.direct,
                 "seconds": round(time.perf_counter() - started, 3),
             },
@@ -165,13 +176,40 @@ class FsTier:
         return specs
 
     async def close(self, timeout: float) -> None:
-        """Wait (up to `timeout`) for file jobs in flight (and the jobs they start), then stop the thread pool."""
+        """Wait (up to `timeout`) for file jobs in flight (and the jobs they start), write the index
+        file, then stop the thread pool."""
         deadline = time.monotonic() + timeout
         while self._jobs and time.monotonic() < deadline:
             await asyncio.wait(set(self._jobs), timeout=deadline - time.monotonic())
         if self._jobs:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
+        await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def keep_index_file(self) -> None:
+        """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
+        while True:
+            await asyncio.sleep(self.settings.index_interval)
+            await self.save_index()
+
+    async def save_index(self) -> None:
+        """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
+        mtimes are taken first, then those with writes in flight are left out, then the hashes copied."""
+        changes = self.index.changes
+        if changes == self._saved_changes:
+            return
+        started = time.perf_counter()
+        try:
+            mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
+            for ns_id, block_hash in self._writes:
+                mtimes.get(ns_id, {}).pop(FANOUT[block_hash[0]], None)
+            hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
+            await self._run(write_index_file, self.root, mtimes, hashes, FANOUT)
+        except OSError as exc:
+            log.warning("cannot write the fs index file", extra={"reason": str(exc)})
+            return
+        self._saved_changes = changes
+        log.debug("fs index file written", extra={"blocks": len(self.index), "seconds": round(time.perf_counter() - started, 3)})
 
     # ------------------------------------------------------------------ lookup and promotion
 
