@@ -146,14 +146,20 @@ def test_restart_serves_the_same_blocks_byte_exact(fs_daemons):
     assert inspected.checksum == inspected.stored_checksum != 0
 
 
-def test_restart_takes_the_index_file_and_lists_only_changed_directories(fs_daemons):
+def stored_on_disk(fs_daemons, seed: str, count: int):
+    """A daemon with --fs-write-through that stored `count` blocks, all of them on disk by now."""
     daemon = fs_daemons("--fs-write-through", "true")
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=BLOCK))
-        hashes = chain_hashes("index-file", 12)
+        hashes = chain_hashes(seed, count)
         data = contents(hashes, BLOCK)
         client.store(ns, hashes, data)
-        wait_on_disk(daemon, 12)
+        wait_on_disk(daemon, count)
+    return daemon, ns, hashes, data
+
+
+def test_restart_takes_the_index_file_and_lists_only_changed_directories(fs_daemons):
+    daemon, ns, hashes, data = stored_on_disk(fs_daemons, "index-file", 12)
     time.sleep(0.6)  # directories modified in the last 0.5 s are not recorded (their mtime could still repeat)
     assert daemon.stop() == 0
     index_file = daemon.directory / "fs" / "index.kvi"
@@ -255,13 +261,7 @@ def verify_everything_on_disk(daemon: DaemonProcess, block: int, lost: set[bytes
 
 
 def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons):
-    daemon = fs_daemons("--fs-write-through", "true")
-    with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        hashes = chain_hashes("flip", 8)
-        data = contents(hashes, BLOCK)
-        client.store(ns, hashes, data)
-        wait_on_disk(daemon, 8)
+    daemon, ns, hashes, data = stored_on_disk(fs_daemons, "flip", 8)
     daemon.stop()
     flipped, truncated, inspected = (block_file(daemon, ns.id, hashes[i]) for i in (3, 5, 7))
     with open(flipped, "r+b") as f:  # one bit of the block's bytes, deep inside the file
