@@ -44,8 +44,10 @@ class PageView:
         if out is None:
             out = np.empty((n, block_bytes), dtype=np.uint8)
         full, tail = divmod(block_bytes, self.page_size)
-        if full:
-            out[:, : full * self.page_size] = self.pages[page_ids[:, :full]].reshape(n, full * self.page_size)
+        if page_ids.size and int(page_ids.max()) >= len(self.pages):
+            raise IndexError(f"page id {int(page_ids.max())} outside the pool's {len(self.pages)} pages")
+        if full:  # straight into `out`: no temporary (fresh memory is slow to touch), and "clip" is unbuffered
+            np.take(self.pages, page_ids[:, :full], axis=0, out=out[:, : full * self.page_size].reshape(n, full, -1), mode="clip")
         if tail:
             out[:, full * self.page_size :] = self.pages[page_ids[:, full], :tail]
         return out

@@ -67,6 +67,9 @@ class Config:
     fs_queue_size: int = _option(
         1 << 30, "Most bytes of evicted blocks waiting to be written to disk; later victims are not demoted.", parse_size
     )
+    fs_index_interval: float = _option(
+        30.0, "Seconds between rewrites of the fs tier's index file (while it changes; also on shutdown).", _parse_seconds
+    )
     metrics_host: str = _option("127.0.0.1", "Address of the Prometheus metrics HTTP listener.")
     metrics_port: int = _option(9464, "Prometheus metrics port (0: any free port, -1: off).", int)
     log_level: str = _option("info", "Log level.", str, ("debug", "info", "warning", "error"))

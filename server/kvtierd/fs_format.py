@@ -10,9 +10,10 @@ namespace digest, hash, length, xxh3-64 of the bytes, kvtier checksum, created t
 zero padding up to the data offset, then the block's raw bytes. The data offset is 4096 for files
 written with O_DIRECT (so data reads can be direct too), else right after the header.
 
-Writes go to a `.tmp` name, are fsync'd, renamed into place and the directory fsync'd: a crash at any
-moment leaves no file (maybe a stray .tmp, removed at the next start) or the complete block. Reads
-check the header and the xxh3 of the bytes; anything else raises BadBlock.
+Writes go to a `.tmp` name; then, for many files at once (commit_files), each is fsync'd, renamed into
+place, and the directories fsync'd: a crash at any moment leaves no file (maybe a stray .tmp, removed
+at the next start) or the complete block, and a rename a crash undid only loses the block. Reads check
+the header and the xxh3 of the bytes; anything else raises BadBlock.
 
 Everything here is blocking file I/O, called on the tier's thread pool, never on the event loop.
 """
@@ -32,6 +33,7 @@ import numpy as np
 import xxhash
 
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.fs_snapshot import Known
 from kvtierd.namespace import namespace_digest
 
 MAGIC = b"KVTB"
@@ -42,7 +44,7 @@ TMP_SUFFIX = ".tmp"
 SPEC_FILE = "namespace.pb"
 _PREFIX = struct.Struct("<4sI")
 _IOV_MAX = 1024
-_FANOUT = [f"{i:02x}" for i in range(256)]
+FANOUT = [f"{i:02x}" for i in range(256)]
 
 
 class BadBlock(Exception):
@@ -81,7 +83,7 @@ def namespace_dir(root: Path, digest: str) -> Path:
 
 
 def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
-    return root / digest / _FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
+    return root / digest / FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -145,7 +147,7 @@ def write_spec(root: Path, spec: pb.NamespaceSpec) -> None:
     directory = namespace_dir(root, namespace_digest(spec))
     if (directory / SPEC_FILE).exists():
         return
-    for name in _FANOUT:
+    for name in FANOUT:
         (directory / name).mkdir(parents=True, exist_ok=True)
     temporary = directory / f"{SPEC_FILE}.{secrets.token_hex(6)}{TMP_SUFFIX}"
     with open(temporary, "wb") as f:
@@ -185,7 +187,7 @@ def probe_direct_io(root: Path) -> bool:
         path.unlink(missing_ok=True)
 
 
-def write_block(
+def write_temporary(
     path: Path,
     digest: str,
     block_hash: bytes,
@@ -194,11 +196,11 @@ def write_block(
     created_at: float,
     segments: Sequence[memoryview],
     direct: bool,
-    durable: bool = True,
-) -> None:
-    """Write a block atomically. `segments` hold its bytes (with O_DIRECT: at least align_up(length),
-    from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long). `durable=False`
-    skips the fsyncs (only for filling a tier in benchmarks: a crash may then lose or tear files)."""
+) -> Path:
+    """Write a block's file under a temporary name next to `path` (not fsync'd: commit_files makes it
+    durable and renames it into place). `segments` hold its bytes (with O_DIRECT: at least
+    align_up(length), from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN
+    long). Returns the temporary's path."""
     data = _trim(segments, length)
     header = msgpack.packb(
         {
@@ -224,24 +226,42 @@ def write_block(
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
     try:
         _pwritev_all(fd, iov, 0)
-        if direct:
+        if direct and length % ALIGN:
             os.ftruncate(fd, ALIGN + length)  # drop the alignment padding
-        if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.rename(temporary, path)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
-    if durable:
-        _fsync_dir(path.parent)
+    finally:
+        os.close(fd)
+    return temporary
+
+
+def commit_files(files: Sequence[tuple[Path, Path]]) -> None:
+    """Group commit of (temporary, final path) pairs from write_temporary: fsync every temporary, then
+    rename each into place, then fsync their directories. A final name therefore only ever points at a
+    complete, durable file; after the directory fsyncs the names are durable too. One journal commit
+    serves many files, where an fsync per file waits for one each. On an error every file of the group
+    is removed (none was indexed) and the error raised."""
+    try:
+        for temporary, _ in files:
+            fd = os.open(temporary, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for temporary, path in files:
+            os.rename(temporary, path)
+        for directory in {path.parent for _, path in files}:
+            _fsync_dir(directory)
+    except BaseException:
+        for temporary, path in files:
+            temporary.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        raise
 
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
-    """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_block) and
+    """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_temporary) and
     verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -294,22 +314,37 @@ class ScannedNamespace:
     spec: pb.NamespaceSpec
     hashes: list[bytes]
     strays: int  # .tmp files of interrupted writes, removed
+    listed: int  # fan-out directories listed (the others were taken from the index file)
 
 
-def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
-    """The blocks a namespace directory holds, from file names alone (headers are checked on first read)."""
+def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNamespace | None:
+    """The blocks a namespace directory holds, from file names alone (headers are checked on first read);
+    a fan-out directory whose mtime equals the one `known` from the index file is not listed."""
+    strays = 0
+    for stray in directory.glob(f"{SPEC_FILE}.*{TMP_SUFFIX}"):  # a spec write that was interrupted
+        stray.unlink(missing_ok=True)
+        strays += 1
     spec = read_spec(directory)
     if spec is None:
         return None
     hashes: list[bytes] = []
-    strays = 0
-    for name in _FANOUT:
+    listed = 0
+    size = spec.hash_bytes
+    for name in FANOUT:
+        recorded = known.get(name)
         try:
+            if recorded is not None and len(recorded[1]) % size == 0 and os.stat(directory / name).st_mtime_ns == recorded[0]:
+                blob = recorded[1]
+                hashes.extend(blob[i : i + size] for i in range(0, len(blob), size))
+                if progress is not None:
+                    progress.update(1)
+                continue
             entries = os.listdir(directory / name)
         except FileNotFoundError:
             continue
+        listed += 1
         for entry in entries:
-            if entry.endswith(SUFFIX) and entry.startswith(name) and len(entry) == 2 * spec.hash_bytes + len(SUFFIX):
+            if entry.endswith(SUFFIX) and entry.startswith(name) and len(entry) == 2 * size + len(SUFFIX):
                 try:
                     hashes.append(bytes.fromhex(entry[: -len(SUFFIX)]))
                 except ValueError:
@@ -319,4 +354,4 @@ def scan_namespace(directory: Path, progress=None) -> ScannedNamespace | None:
             strays += 1
         if progress is not None:
             progress.update(1)
-    return ScannedNamespace(spec, hashes, strays)
+    return ScannedNamespace(spec, hashes, strays, listed)

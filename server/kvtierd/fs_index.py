@@ -46,6 +46,7 @@ class FsIndex:
         self.capacity = capacity
         self.indexed_bytes = 0
         self.inflight_bytes = 0
+        self.changes = 0  # blocks added and removed so far (the index file is rewritten when it moved)
         self.blocks: dict[str, dict[bytes, FsEntry]] = defaultdict(dict)
         self.counters: dict[str, FsCounters] = defaultdict(FsCounters)
         self._by_slot: dict[int, FsEntry] = {}
@@ -106,6 +107,7 @@ class FsIndex:
         self.blocks[namespace][block_hash] = entry
         self._by_slot[entry.slot] = entry
         self.indexed_bytes += charge
+        self.changes += 1
         self.policy.insert_many([entry.slot], [(namespace, block_hash)])
         return entry
 
@@ -129,6 +131,7 @@ class FsIndex:
         table.update(zip(hashes, entries, strict=True))
         self._by_slot.update(zip(slots, entries, strict=True))
         self.indexed_bytes += charge * len(entries)
+        self.changes += len(entries)
         self.policy.insert_many(slots, [(namespace, h) for h in hashes])
 
     def remove(self, entry: FsEntry) -> None:
@@ -141,6 +144,7 @@ class FsIndex:
         del self._by_slot[entry.slot]
         del self.blocks[entry.namespace][entry.hash]
         self.indexed_bytes -= entry.charge
+        self.changes += 1
 
     def entries(self, namespace: str | None = None) -> list[FsEntry]:
         if namespace is not None:

@@ -3,9 +3,10 @@ operation on a thread pool (--fs-io-threads), so the event loop never waits on t
 
 Demotion copies; it does not hold pages. BlockStore calls `on_evict` with its victims while their pages
 still hold their bytes, and hands those pages to a new reservation as soon as it returns. So `on_evict`
-gathers the victims' bytes (one vectorised numpy gather per namespace, on the loop: a memory copy,
-about 0.1-0.3 ms per 2 MiB block) into an aligned staging buffer owned by the write jobs; the pages are
-free for reuse at once and nothing reads them later. Staging bytes waiting for the disk are bounded by
+copies each victim's bytes (a numpy gather on the loop, which releases the GIL: about 0.2 ms per 2 MiB
+block) into an aligned staging buffer and starts its write at once, so the disk is busy while the
+next victims are copied; the pages are free for reuse when it returns and nothing reads them later.
+Staging buffers are reused (fs_staging); their bytes waiting for the disk are bounded by
 --fs-queue-size; victims beyond it are not demoted (counted as skipped).
 
 Write-through holds instead of copying: a committed block stays in the pool, so a daemon hold (no
@@ -16,6 +17,10 @@ Promotion reserves pool pages (a reservation that never expires, since a thread 
 until the read returns), reads each file straight into those pages, all reads of one call in parallel,
 verifies them and commits the reservation. A block that fails (bad checksum, truncated, missing) is
 dropped from both tiers, so the prefix ends before it.
+
+A block is written to a temporary file on an I/O thread; its fsync, rename and directory fsync are
+group-committed with the other files written meanwhile (fs_commit), and it enters the index only
+after that, so the index never claims a block that a crash could lose.
 
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
@@ -41,7 +46,10 @@ from tqdm import tqdm
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.block_store import Block, BlockStore, Namespace, Reservation
 from kvtierd.errors import KVTierError, NotFound
+from kvtierd.fs_commit import GroupCommit
 from kvtierd.fs_format import (
+    FANOUT,
+    TMP_SUFFIX,
     BadBlock,
     Header,
     align_up,
@@ -50,10 +58,12 @@ from kvtierd.fs_format import (
     probe_direct_io,
     read_block,
     scan_namespace,
-    write_block,
     write_spec,
+    write_temporary,
 )
 from kvtierd.fs_index import FsCounters, FsEntry, FsIndex
+from kvtierd.fs_snapshot import INDEX_FILE, directory_mtimes, read_index_file, write_index_file
+from kvtierd.fs_staging import StagingBuffers
 from kvtierd.shm_pool import SharedPool
 
 log = logging.getLogger("kvtierd.fs")
@@ -62,7 +72,6 @@ FS_TIER = "fs"
 PAUSE_SECONDS = 30.0
 _PROMOTER = "kvtierd-fs-promotion"  # owner of promotion reservations (no session has this id)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
-_FANOUT_DIRS = 256
 
 Key = tuple[str, bytes]
 
@@ -76,6 +85,7 @@ class FsSettings:
     io_threads: int
     direct_io: bool
     queue_bytes: int
+    index_interval: float  # seconds between index file writes
 
 
 @dataclass
@@ -107,12 +117,14 @@ class FsTier:
         self.index = FsIndex(settings.capacity, settings.eviction)
         self.health = FsHealth()
         self.direct = False
-        self.queued_bytes = 0
+        self.staging = StagingBuffers(settings.queue_bytes)
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
+        self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed)
+        self._saved_changes = -1  # index.changes when the index file was last written
 
     # ------------------------------------------------------------------ start and stop
 
@@ -126,12 +138,16 @@ class FsTier:
             if not self.direct:
                 log.warning("the filesystem refuses O_DIRECT; the fs tier uses buffered I/O", extra={"path": str(self.root)})
         directories = sorted(d for d in self.root.iterdir() if d.is_dir() and _DIGEST.fullmatch(d.name))
-        specs, strays = [], 0
+        known = read_index_file(self.root)
+        specs, strays, listed = [], 0, 0
+        for stray in self.root.glob(f"{INDEX_FILE}.*{TMP_SUFFIX}"):  # an interrupted index file write
+            stray.unlink(missing_ok=True)
+            strays += 1
         with tqdm(
-            total=len(directories) * _FANOUT_DIRS, desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
+            total=len(directories) * len(FANOUT), desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
         ) as bar:
             for directory in directories:
-                scanned = scan_namespace(directory, bar)
+                scanned = scan_namespace(directory, known.get(directory.name, {}), bar)
                 if scanned is None:
                     log.warning("ignoring a directory without a valid namespace.pb", extra={"path": str(directory)})
                     continue
@@ -139,6 +155,7 @@ class FsTier:
                 self._spec_written.add(directory.name)
                 specs.append(scanned.spec)
                 strays += scanned.strays
+                listed += scanned.listed
         excess = self.index.over_capacity()
         list(self.executor.map(_unlink, [self._path(e) for e in excess]))
         log.info(
@@ -150,6 +167,8 @@ class FsTier:
                 "capacity": self.settings.capacity,
                 "evicted_over_capacity": len(excess),
                 "stray_files_removed": strays,
+                "directories_listed": listed,
+                "directories_from_index_file": len(directories) * len(FANOUT) - listed,
                 "direct_io": self.direct,
                 "seconds": round(time.perf_counter() - started, 3),
             },
@@ -157,12 +176,40 @@ class FsTier:
         return specs
 
     async def close(self, timeout: float) -> None:
-        """Wait (up to `timeout`) for file jobs in flight, then stop the thread pool."""
-        if self._jobs:
-            await asyncio.wait(set(self._jobs), timeout=timeout)
+        """Wait (up to `timeout`) for file jobs in flight (and the jobs they start), write the index
+        file, then stop the thread pool."""
+        deadline = time.monotonic() + timeout
+        while self._jobs and time.monotonic() < deadline:
+            await asyncio.wait(set(self._jobs), timeout=deadline - time.monotonic())
         if self._jobs:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
+        await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def keep_index_file(self) -> None:
+        """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
+        while True:
+            await asyncio.sleep(self.settings.index_interval)
+            await self.save_index()
+
+    async def save_index(self) -> None:
+        """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
+        mtimes are taken first, then those with writes in flight are left out, then the hashes copied."""
+        changes = self.index.changes
+        if changes == self._saved_changes:
+            return
+        started = time.perf_counter()
+        try:
+            mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
+            for ns_id, block_hash in self._writes:
+                mtimes.get(ns_id, {}).pop(FANOUT[block_hash[0]], None)
+            hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
+            await self._run(write_index_file, self.root, mtimes, hashes, FANOUT)
+        except OSError as exc:
+            log.warning("cannot write the fs index file", extra={"reason": str(exc)})
+            return
+        self._saved_changes = changes
+        log.debug("fs index file written", extra={"blocks": len(self.index), "seconds": round(time.perf_counter() - started, 3)})
 
     # ------------------------------------------------------------------ lookup and promotion
 
@@ -251,19 +298,16 @@ class FsTier:
                 self.health.skipped["paused"] += len(blocks)
                 continue
             stride = align_up(ns.block_bytes)
-            room = max(0, (self.settings.queue_bytes - self.queued_bytes) // stride)
+            room = self.staging.room(stride)
             if room < len(blocks):
                 self.health.skipped["queue_full"] += len(blocks) - room
                 blocks = blocks[:room]
-            if not blocks:
-                continue
-            staging = aligned_empty(len(blocks) * stride).reshape(len(blocks), stride)
-            page_ids = np.frombuffer(b"".join(b.pages for b in blocks), dtype="<u4").reshape(len(blocks), -1)
-            self.pool.view.read_blocks(page_ids, ns.block_bytes, out=staging[:, : ns.block_bytes])
             checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
-            self.queued_bytes += len(blocks) * stride
-            for block, row, checksum in zip(blocks, staging, checksums, strict=True):
-                self._write(ns, block.hash, [memoryview(row)], checksum, partial(self._unqueue, stride))
+            for block, checksum in zip(blocks, checksums, strict=True):  # each write starts once its copy is made
+                buffer = self.staging.take(stride)
+                page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
+                self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
+                self._write(ns, block.hash, [memoryview(buffer)], checksum, partial(self.staging.give_back, buffer))
 
     def write_through(self, ns: Namespace, blocks: list[Block]) -> None:
         """With --fs-write-through: write newly committed blocks to disk, straight from the pool."""
@@ -283,9 +327,6 @@ class FsTier:
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
 
-    def _unqueue(self, size: int) -> None:
-        self.queued_bytes -= size
-
     def _write(self, ns: Namespace, block_hash: bytes, segments: list[memoryview], checksum: int, done: Callable) -> None:
         victims = self.index.reserve(ns.block_bytes)
         if victims is None:
@@ -297,29 +338,42 @@ class FsTier:
         future = self._run(self._write_file, job, checksum, segments, [self._path(v) for v in victims])
         future.add_done_callback(partial(self._written, job, done))
 
-    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview], evicted: list[Path]) -> None:
+    def _write_file(self, job: _Write, checksum: int, segments: list[memoryview], evicted: list[Path]) -> Path:
         _unlink_all(evicted)  # first, so the files on disk never exceed --fs-size
         ns = job.namespace
         if ns.id not in self._spec_written:
             write_spec(self.root, ns.spec)
             self._spec_written.add(ns.id)
         path = self._path_of(ns.id, job.hash)
-        write_block(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, segments, self.direct)
+        return write_temporary(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, segments, self.direct)
 
     def _written(self, job: _Write, done: Callable, future: asyncio.Future) -> None:
+        """The block's temporary file is complete (or failed): its bytes are no longer needed; once the
+        group commit made it durable under its name, `_committed` indexes it."""
         done()
-        ns = job.namespace
-        del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        if exc is None:
+            self.commits.add(future.result(), self._path_of(job.namespace.id, job.hash), job)
+            return
+        del self._writes[(job.namespace.id, job.hash)]
+        self.index.unreserve(job.namespace.block_bytes)
+        self._write_failed(exc)
+
+    def _committed(self, jobs: list[_Write], exc: BaseException | None) -> None:
         if exc is not None:
-            self.index.unreserve(ns.block_bytes)
             self._write_failed(exc)
-        elif job.cancelled:
-            self.index.unreserve(ns.block_bytes)
-            self._run(_unlink, self._path_of(ns.id, job.hash))
-        else:
-            self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
-            self.index.counters[ns.id].stored_blocks += 1
+        dropped = []
+        for job in jobs:
+            ns = job.namespace
+            del self._writes[(ns.id, job.hash)]
+            if exc is not None or job.cancelled:  # not indexed: its file goes
+                self.index.unreserve(ns.block_bytes)
+                dropped.append(self._path_of(ns.id, job.hash))
+            else:
+                self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
+                self.index.counters[ns.id].stored_blocks += 1
+        if dropped:
+            self._run(_unlink_all, dropped)
 
     def _write_failed(self, exc: BaseException) -> None:
         self.health.write_errors += 1

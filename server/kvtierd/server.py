@@ -162,6 +162,7 @@ def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
         io_threads=config.fs_io_threads,
         direct_io=config.fs_direct_io,
         queue_bytes=config.fs_queue_size,
+        index_interval=config.fs_index_interval,
     )
     fs = FsTier(settings, pool, store)
     for spec in fs.open():
@@ -197,6 +198,7 @@ async def serve(config: Config) -> None:
     for name in ("", *SERVICE_NAMES):
         await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(expire_leases(daemon))
+    index_file = asyncio.create_task(daemon.fs.keep_index_file()) if daemon.fs is not None else None
     log.info(
         "kvtierd serving",
         extra={
@@ -219,6 +221,7 @@ async def serve(config: Config) -> None:
     expiry.cancel()
     daemon.data.gpu.close()
     if daemon.fs is not None:
+        index_file.cancel()
         await daemon.fs.close(SHUTDOWN_GRACE_SECONDS)
     daemon.pool.close()
     config.socket.unlink(missing_ok=True)
