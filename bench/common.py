@@ -61,3 +61,17 @@ def _cpus() -> str:
         return subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "?"
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (no display), or None when matplotlib is not installed
+    (the GPU machine has none: results are still written, without the plot)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt

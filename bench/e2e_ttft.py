@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, start_daemon, stop_daemon, write_result  # isort: skip
+from common import RESULTS, pyplot, start_daemon, stop_daemon, write_result  # isort: skip
 
 from kvtier.demo.engines import run_engine  # noqa: E402
 from kvtier.demo.tiny_model import make_tiny_llama  # noqa: E402
@@ -178,10 +178,9 @@ def drop_from_page_cache(directory: Path) -> None:
 
 
 def plot(medians: dict[str, float], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = pyplot()
+    if plt is None:
+        return
 
     labels = [
         "a cold",

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import RESULTS, start_daemon, stop_daemon, write_result  # isort: skip
+from common import RESULTS, pyplot, start_daemon, stop_daemon, write_result  # isort: skip
 
 from fake_engine import Geometry, allocate_kv_cache, block_hashes, namespace_spec  # noqa: E402
 
@@ -168,13 +168,9 @@ def main() -> None:
 
 
 def plot(result: dict, path) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for layout, data in result["layouts"].items():

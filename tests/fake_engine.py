@@ -128,8 +128,8 @@ class FakeEngine:
         torch.cuda._sleep(200_000_000)
         start = 0
         for run in self.kv.runs:
-            run.rows[block_ids] = data[:, start : start + run.size]
-            start += run.size
+            run.rows[block_ids] = data[:, start : start + run.run.size]
+            start += run.run.size
 
     def store(self, block_ids: list[int], hash_seed: int, req_id: str = "req") -> None:
         """As the connector does after a forward: save, then (here) wait for the daemon's copy."""

@@ -55,7 +55,7 @@ def test_plan_moves_every_block_byte_exact(layout):
     storages, runs = block_runs(views, 12)
     assert len(storages) == 1
     assert len(runs) == (3 if layout == "LBHNC" else 1)  # a block-outermost block is one run
-    template = SegmentTemplate.build([Run(r.storage, r.offset, r.block_stride, r.size) for r in runs], PAGE)
+    template = SegmentTemplate.build([r.run for r in runs], PAGE)
     block_bytes = 3 * page
     assert template.block_bytes == block_bytes
     pages_per_block = -(-block_bytes // PAGE)
@@ -77,8 +77,8 @@ def test_runs_of_vllm_032_split_kv_tensors():
     layers = [torch.randn(2, 10, 16, 2, 8) for _ in range(2)]
     storages, runs = block_runs(layers, 10)
     assert len(storages) == 2
-    assert [(r.storage, r.size) for r in runs] == [(0, 1024), (0, 1024), (1, 1024), (1, 1024)]
-    assert runs[1].offset == 10 * 1024  # V follows all K blocks
+    assert [(r.run.allocation, r.run.size) for r in runs] == [(0, 1024), (0, 1024), (1, 1024), (1, 1024)]
+    assert runs[1].run.offset == 10 * 1024  # V follows all K blocks
     assert torch.equal(runs[1].rows[4], layers[0][1, 4].flatten().view(torch.uint8))
 
 

@@ -74,8 +74,7 @@ class DataService(pb_grpc.KVTierServicer):
             closing.cancel()
         finally:
             self.sessions.close(session.id)
-            registrations = self.gpu.drop_session(session.id)
-            await self.gpu.wait_idle(session.id)  # GPU copies into its reserved pages end before they are freed
+            registrations = await self.gpu.close_session(session.id)  # its GPU copies end before its pages go
             leases, reservations = self.store.drop_session(session.id)
             log.info(
                 "engine disconnected",
@@ -193,10 +192,12 @@ class DataService(pb_grpc.KVTierServicer):
             count = len(lease.blocks)
             if len(device_block_ids) < count:
                 raise InvalidArgument(f"{len(device_block_ids)} device block ids for {count} blocks to load")
+            targets = np.asarray(device_block_ids[:count], dtype=np.int64)
+            registration.check_blocks(targets)
             expected = self.store.checksum[lease.slots]
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                copied = await self.gpu.load(registration, np.asarray(device_block_ids[:count], dtype=np.int64), pages)
+                copied = await self.gpu.load(registration, targets, pages)
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
             bad = checksum.mismatched(copied, expected)
             if bad.any():

@@ -43,6 +43,7 @@ class CudaRegistration:
     ready_event: object  # torch.cuda.Event opened from the engine's handle
     in_flight: int = 0
     closing: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def check_blocks(self, block_ids: np.ndarray) -> None:
         if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
@@ -132,18 +133,18 @@ class GpuTransfers:
 
     async def store(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
         """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
-        return await self._run(registration, self._copy, registration, block_ids, page_ids, True)
+        return await self._run(registration, block_ids, page_ids, to_pool=True)
 
     async def load(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
         """Copy pool blocks into engine blocks; the checksums of what was copied (the bytes are in place)."""
-        return await self._run(registration, self._copy, registration, block_ids, page_ids, False)
+        return await self._run(registration, block_ids, page_ids, to_pool=False)
 
-    async def _run(self, registration: CudaRegistration, fn, *args):
+    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
+        """The copy on a worker thread; the registration stays open until it has ended."""
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
-        registration.check_blocks(args[1])
         registration.in_flight += 1
-        copy = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        copy = asyncio.get_running_loop().run_in_executor(self._executor, self._copy, registration, block_ids, page_ids, to_pool)
         try:
             return await asyncio.shield(copy)
         except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
@@ -176,20 +177,17 @@ class GpuTransfers:
 
     # ------------------------------------------------------------------ teardown
 
-    def drop_session(self, session_id: str) -> int:
-        """Close the session's registrations (each as soon as its copies in flight end)."""
+    async def close_session(self, session_id: str) -> int:
+        """Close the session's registrations, each as soon as its copies in flight end, and return
+        once all are closed (the pool pages those copies used may then be freed)."""
         with self._lock:
             mine = [r for r in self._registrations.values() if r.session_id == session_id]
         for registration in mine:
             registration.closing = True
             if registration.in_flight == 0:
                 self._close(registration)
+        await asyncio.gather(*(r.closed.wait() for r in mine))
         return len(mine)
-
-    async def wait_idle(self, session_id: str) -> None:
-        """Wait until no copy of the session's registrations is in flight (their pool pages may then be freed)."""
-        while any(r.in_flight for r in list(self._registrations.values()) if r.session_id == session_id):
-            await asyncio.sleep(0.001)
 
     def _close(self, registration: CudaRegistration) -> None:
         """No copy of it is in flight (each waits for its stream before returning): dropping the
@@ -198,6 +196,7 @@ class GpuTransfers:
             self._registrations.pop(registration.id, None)
         registration.storages.clear()
         registration.ready_event = None
+        registration.closed.set()
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 
     def warm_up(self) -> None:

@@ -26,11 +26,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 
 @dataclass(frozen=True)
 class RunView:
-    storage: int  # index into GpuKV.storages
-    offset: int  # bytes from the storage's start for block 0
-    block_stride: int
-    size: int
-    rows: torch.Tensor  # uint8 [num_blocks, size] view of the run
+    run: Run  # its allocation is an index into GpuKV.storages, its offset counts from the storage's start
+    rows: torch.Tensor  # uint8 [num_blocks, run.size] view of the run
 
 
 def block_runs(tensors: list[torch.Tensor], num_blocks: int) -> tuple[list[torch.UntypedStorage], list[RunView]]:
@@ -38,6 +35,7 @@ def block_runs(tensors: list[torch.Tensor], num_blocks: int) -> tuple[list[torch
     layer may be laid out in any order (HND, NHD, ...) as long as it fills one dense byte range."""
     storages: list[torch.UntypedStorage] = []
     bases: list[torch.Tensor] = []  # a uint8 tensor over each whole storage
+    index_of: dict[int, int] = {}  # storage address -> its index
     runs: list[RunView] = []
     seen: set[tuple[int, int]] = set()
     for tensor in tensors:
@@ -47,23 +45,22 @@ def block_runs(tensors: list[torch.Tensor], num_blocks: int) -> tuple[list[torch
                 raise ValueError(f"unsupported KV layout: shape {tuple(tensor.shape)} has no block dimension of {num_blocks}")
             size = _dense_block_bytes(part)
             storage = part.untyped_storage()
-            pointers = [s.data_ptr() for s in storages]
-            if storage.data_ptr() not in pointers:
+            if storage.data_ptr() not in index_of:
+                index_of[storage.data_ptr()] = len(storages)
                 storages.append(storage)
                 bases.append(torch.empty(0, dtype=torch.uint8, device=part.device).set_(storage))
-                pointers.append(storage.data_ptr())
-            index = pointers.index(storage.data_ptr())
+            index = index_of[storage.data_ptr()]
             offset = part.storage_offset() * part.element_size()
             if (index, offset) in seen:  # a layer sharing another layer's KV
                 continue
             seen.add((index, offset))
             stride = part.stride(0) * part.element_size()
-            last = runs[-1] if runs else None
-            if last and last.storage == index and last.block_stride == stride and last.offset + last.size == offset:
+            last = runs[-1].run if runs else None
+            if last and last.allocation == index and last.block_stride == stride and last.offset + last.size == offset:
                 offset, size = last.offset, last.size + size  # the block's runs touch: one run
                 runs.pop()
             rows = bases[index].as_strided((num_blocks, size), (stride, 1), offset)
-            runs.append(RunView(index, offset, stride, size, rows))
+            runs.append(RunView(Run(index, offset, stride, size), rows))
     return storages, runs
 
 
@@ -85,10 +82,11 @@ class GpuKV:
         self.device = tensors[0].device
         self.num_blocks = num_blocks
         self.storages, self.runs = block_runs(tensors, num_blocks)
-        self.block_bytes = sum(run.size for run in self.runs)
+        self.block_bytes = sum(r.run.size for r in self.runs)
         self.ready = torch.cuda.Event(interprocess=True)
         self._bases = np.array([storage.data_ptr() for storage in self.storages], dtype=np.int64)
         self._stream = torch.cuda.Stream(self.device)
+        self._runs = [r.run for r in self.runs]
         self._template: tuple[int, SegmentTemplate] | None = None
 
     # ------------------------------------------------------------------ cuda_ipc transport
@@ -113,7 +111,8 @@ class GpuKV:
             device_uuid=str(torch.cuda.get_device_properties(self.device).uuid),
             allocations=allocations,
             runs=[
-                pb.KVRun(allocation=r.storage, offset=r.offset, block_stride=r.block_stride, size_bytes=r.size) for r in self.runs
+                pb.KVRun(allocation=r.allocation, offset=r.offset, block_stride=r.block_stride, size_bytes=r.size)
+                for r in self._runs
             ],
             num_blocks=self.num_blocks,
             ready_event=self.ready.ipc_handle(),
@@ -139,8 +138,7 @@ class GpuKV:
 
         page_size = pool.view.page_size
         if self._template is None or self._template[0] != page_size:
-            runs = [Run(r.storage, r.offset, r.block_stride, r.size) for r in self.runs]
-            self._template = (page_size, SegmentTemplate.build(runs, page_size))
+            self._template = (page_size, SegmentTemplate.build(self._runs, page_size))
         return copy_blocks(
             self._template[1],
             self._bases,

@@ -27,7 +27,7 @@ class LayerMajorKV:
         if not layers:
             raise ValueError("no KV cache layers")
         if any(layer.device.type != "cpu" for layer in layers):
-            raise ValueError("KV caches on an accelerator need the cuda_ipc transport, which this build does not have yet")
+            raise ValueError("LayerMajorKV takes KV caches in host memory (GPU caches: kvtier.engine.gpu_kv.GpuKV)")
         num_blocks = layers[0].shape[0]
         self._views: list[np.ndarray] = []
         for layer in layers:
@@ -45,7 +45,18 @@ class LayerMajorKV:
         return [view[index] for view in self._views]
 
     def write_pool(self, view: PageView, page_ids: np.ndarray, layers: list[np.ndarray]) -> np.ndarray:
-        return write_rows(view, page_ids, layers, self.chunk_bytes, self._offsets)
+        """Write snapshot rows into the pool blocks `page_ids` [n, pages_per_block]; their checksums."""
+        page_size = view.page_size
+        if not _page_aligned(self.chunk_bytes, page_size):
+            blocks = np.concatenate(layers, axis=1)
+            view.write_blocks(page_ids, blocks)
+            return checksum.block_checksums(blocks)
+        parts = []
+        for rows, size, offset in zip(layers, self.chunk_bytes, self._offsets, strict=True):
+            pages = _chunk_pages(page_ids, offset, size, page_size)
+            view.pages[pages] = rows.reshape(*pages.shape, page_size)
+            parts.append(checksum.chunk_sums(rows, offset))
+        return checksum.combine(parts)
 
     def read_pool(self, view: PageView, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
         """Copy pool blocks `page_ids` into the engine blocks `block_ids`; the checksums of what was copied."""
@@ -67,24 +78,6 @@ class LayerMajorKV:
                 with np.errstate(over="ignore"):
                     sums[start : start + step] += checksum.chunk_sums(rows, self._offsets[layer])
         return checksum.combine([sums])
-
-
-def write_rows(
-    view: PageView, page_ids: np.ndarray, layers: list[np.ndarray], chunk_bytes: list[int], offsets: list[int]
-) -> np.ndarray:
-    """Write snapshot rows (one [n, chunk_bytes] array per chunk of a block) into the pool blocks
-    `page_ids` [n, pages_per_block]; their checksums."""
-    page_size = view.page_size
-    if not _page_aligned(chunk_bytes, page_size):
-        blocks = np.concatenate(layers, axis=1)
-        view.write_blocks(page_ids, blocks)
-        return checksum.block_checksums(blocks)
-    parts = []
-    for rows, size, offset in zip(layers, chunk_bytes, offsets, strict=True):
-        pages = _chunk_pages(page_ids, offset, size, page_size)
-        view.pages[pages] = rows.reshape(*pages.shape, page_size)
-        parts.append(checksum.chunk_sums(rows, offset))
-    return checksum.combine(parts)
 
 
 def _page_aligned(chunk_bytes: list[int], page_size: int) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from kvtier.engine.kv_blocks import LayerMajorKV
 if TYPE_CHECKING:
     from kvtier.engine.gpu_kv import GpuKV
 from kvtier.engine.link import DaemonLink
-from kvtier.ops import LookupResult, Namespace
+from kvtier.ops import LookupResult, Namespace, Reservation
 from kvtier.pool_view import PageView
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -216,30 +217,20 @@ class BlockTransfers:
     def _store_gpu(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int]) -> int:
         if ns.cuda_registration:
             return client.store_cuda(ns, hashes, block_ids)
-        reservation = client.reserve(ns, hashes)
-        if not reservation.id:
-            return 0
-        chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
-        try:
-            sums = self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
-        except BaseException:
-            client.abort(reservation.id)
-            raise
-        return client.commit(reservation.id, checksums=sums)
+
+        def write(reservation: Reservation) -> np.ndarray:
+            chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
+            return self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
+
+        return _reserve_write_commit(client, ns, hashes, write)
 
     def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], layers: list[np.ndarray]) -> int:
-        reservation = client.reserve(ns, hashes)
-        if not reservation.id:
-            return 0
-        chosen = reservation.reserved_indices
-        if len(chosen) < len(hashes):
-            layers = [rows[chosen] for rows in layers]
-        try:
-            sums = self.kv.write_pool(client.state.pool().view, reservation.page_ids, layers)
-        except BaseException:
-            client.abort(reservation.id)
-            raise
-        return client.commit(reservation.id, checksums=sums)
+        def write(reservation: Reservation) -> np.ndarray:
+            chosen = reservation.reserved_indices
+            rows = layers if len(chosen) == len(hashes) else [layer[chosen] for layer in layers]
+            return self.kv.write_pool(client.state.pool().view, reservation.page_ids, rows)
+
+        return _reserve_write_commit(client, ns, hashes, write)
 
     def _stored(self, future: Future, size: int, blocks: int) -> None:
         try:
@@ -279,6 +270,22 @@ class BlockTransfers:
         with self._lock:
             stats, self.stats = self.stats, WorkerStats()
         return stats
+
+
+def _reserve_write_commit(
+    client: KVTierClient, ns: Namespace, hashes: list[bytes], write: Callable[[Reservation], np.ndarray]
+) -> int:
+    """Reserve `hashes`, let `write` fill the reserved blocks (returning their checksums), commit;
+    abort if the write fails. Returns how many blocks were committed."""
+    reservation = client.reserve(ns, hashes)
+    if not reservation.id:
+        return 0
+    try:
+        sums = write(reservation)
+    except BaseException:
+        client.abort(reservation.id)
+        raise
+    return client.commit(reservation.id, checksums=sums)
 
 
 def _failed_future(reason: str) -> Future:
