@@ -157,6 +157,9 @@ def main() -> None:
         "prefix_170MB_memcpy_ms": prefix_memcpy_ms,
         "prefix_load_vs_memcpy": max(layouts[lay]["prefix_load_ms"] for lay in layouts) / prefix_memcpy_ms,
         "daemon_gpu_memory_mib": daemon_mib,
+        "copy_paths": "stores: one Triton kernel per call (copy + checksum); loads: the copy engines "
+        "(cuMemcpyBatchAsync) when the batch's runs average 1 MiB or more (BLHNC blocks in consecutive pool pages), "
+        "then the checksum kernel over the engine's copy, otherwise the kernel",
         "layouts": layouts,
     }
     command = "python bench/transfer_gpu.py" + (f" --rounds {rounds}" if rounds != 10 else "")

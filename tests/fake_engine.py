@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvtier.engine.gpu_kv import GpuKV
@@ -33,6 +34,11 @@ from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.link import DaemonLink
 from kvtier.engine.worker import BlockTransfers
 from kvtier.v1 import kvtier_pb2 as pb
+
+
+def gpu(test):
+    """The `gpu` marker, and a clean skip without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier import checksum  # noqa: E402
-from kvtier.copy_plan import WORD, Run, SegmentTemplate  # noqa: E402
+from kvtier.copy_plan import WORD, Run, SegmentTemplate, coalesce  # noqa: E402
 from kvtier.engine.gpu_kv import block_runs  # noqa: E402
 
 PAGE = 4096
@@ -94,3 +94,29 @@ def test_shared_layers_and_gaps():
 def test_template_rejects_unaligned_runs():
     with pytest.raises(ValueError, match="aligned"):
         SegmentTemplate.build([Run(0, 4, 1024, 1024)], PAGE)
+
+
+@pytest.mark.parametrize(("head_size", "runs"), [(32, 2), (40, 4)])
+def test_coalesced_runs_move_the_same_bytes(head_size, runs):
+    """The copy engines' runs: a block-outermost cache in consecutive pool pages merges blocks 3, 4
+    and 5 when a block fills its pages exactly (head size 32: 3 pages), and not when its last page
+    has an unused tail (head size 40); either way the runs move exactly the segments' bytes."""
+    buffer, views, page = vllm_033_cache("BLHNC", head_size=head_size)
+    _, block_run = block_runs(views, 12)
+    template = SegmentTemplate.build([r.run for r in block_run], PAGE)
+    pages_per_block = -(-template.block_bytes // PAGE)
+    page_ids = np.arange(4 * pages_per_block).reshape(4, pages_per_block)
+    blocks = np.array([3, 4, 5, 9])
+    gpu, host = template.addresses(np.array([GPU_BASE]), blocks, POOL_BASE, page_ids, PAGE)
+    sizes = np.tile(template.words, len(blocks)) * WORD
+
+    src, dst, run_sizes = coalesce(gpu, host, sizes)
+
+    assert len(src) == runs
+    assert run_sizes.sum() == sizes.sum()
+    memory = buffer.view(torch.uint8).numpy()
+    by_segment, by_run = np.zeros(64 * PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
+    for pool, moves in ((by_segment, zip(gpu, host, sizes, strict=True)), (by_run, zip(src, dst, run_sizes, strict=True))):
+        for s, d, n in moves:
+            pool[d - POOL_BASE : d - POOL_BASE + n] = memory[s - GPU_BASE : s - GPU_BASE + n]
+    assert by_run.any() and np.array_equal(by_run, by_segment)

@@ -20,14 +20,9 @@ from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
 
 torch = pytest.importorskip("torch")
-from fake_engine import Geometry, block_hashes, namespace_spec, seeded_blocks  # noqa: E402 (needs torch)
+from fake_engine import Geometry, block_hashes, gpu, namespace_spec, seeded_blocks  # noqa: E402 (needs torch)
 
 HERE = Path(__file__).parent
-
-
-def gpu(test):
-    """The `gpu` marker, and a clean skip without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 GEOMETRY = {"layers": 4, "heads": 8, "block_size": 16, "head_size": 128, "num_blocks": 64}  # 256 KiB blocks

@@ -6,7 +6,9 @@ The pool stores a block in pages of `page_size` bytes. Cutting the block's byte 
 boundary and every page boundary gives segments that are contiguous on both sides; their shape is the
 same for every block, so it is computed once per registration (`SegmentTemplate`) and a batch's
 source and destination addresses are one numpy broadcast (`SegmentTemplate.addresses`), never a
-Python loop over blocks. The copy kernel runs one program per segment.
+Python loop over blocks. The copy kernel runs one program per segment; the copy engines take runs,
+segments merged where they continue each other on both sides (`coalesce`: a block-outermost cache
+whose blocks sit in consecutive pool pages gives one run per stretch of consecutive blocks).
 """
 
 from __future__ import annotations
@@ -75,3 +77,14 @@ class SegmentTemplate:
         gpu = allocation_bases[self.allocation] + self.gpu_offset + block_ids.astype(np.int64)[:, None] * self.block_stride
         pool = pool_base + page_ids.astype(np.int64)[:, self.page] * page_size + self.page_offset
         return gpu.ravel(), pool.ravel()
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, sizes) of the runs made by merging each segment into the one before it when it
+    continues it on both sides."""
+    if len(src) == 0:
+        return src, dst, sizes
+    starts = np.ones(len(src), dtype=bool)
+    starts[1:] = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
+    first = np.flatnonzero(starts)
+    return src[first], dst[first], np.add.reduceat(sizes, first)

@@ -156,13 +156,14 @@ class GpuTransfers:
                 self._close(registration)
 
     def _copy(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool) -> np.ndarray:
+        """Launch (numpy and launches, on this worker thread so the event loop keeps serving) and wait."""
         import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
 
-        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (needs triton)
+        from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
         with self._lock:
             stream = next(self._streams[registration.device_index])
-        return copy_blocks(
+        return launch_copy(
             registration.template,
             registration.bases,
             block_ids,
@@ -173,7 +174,7 @@ class GpuTransfers:
             torch.device("cuda", registration.device_index),
             stream,
             after=registration.ready_event if to_pool else None,
-        )
+        ).checksums()
 
     # ------------------------------------------------------------------ teardown
 

@@ -1,0 +1,71 @@
+"""gpu_copy between a GPU KV cache and a mapped pool, as the shm fallback and the daemon run it:
+stores through the copy kernel; loads of long runs through the copy engines (then a checksum pass
+on the GPU side), of short runs through the kernel; all byte-exact with kvtier.checksum's checksums."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from fake_engine import Geometry, allocate_kv_cache, gpu  # noqa: E402 (needs torch)
+
+from kvtier import checksum  # noqa: E402
+from kvtier.pool_view import PoolMapping  # noqa: E402
+
+PAGE = 32 << 10
+POOL_PAGES = 512
+
+
+@pytest.fixture
+def pool():
+    path = Path("/dev/shm") / f"kvtier-test-gpu-copy-{os.getpid()}"
+    path.write_bytes(b"")
+    os.truncate(path, POOL_PAGES * PAGE)
+    mapping = PoolMapping(path, POOL_PAGES * PAGE, PAGE)
+    yield mapping
+    mapping.close()
+    path.unlink()
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("layout", "pages", "dma"),
+    [("BLHNC", "consecutive", True), ("BLHNC", "scattered", False), ("LBHNC", "consecutive", False)],
+)
+def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma):
+    from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
+    from kvtier.copy_plan import WORD, SegmentTemplate, coalesce  # noqa: PLC0415
+    from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415
+
+    if dma and not cuda_dma.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
+    g = Geometry(layers=4, num_blocks=64)  # 256 KiB blocks: 8 pages each
+    buffer, views = allocate_kv_cache(g, layout)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8, device="cuda"))
+    kv = GpuKV(list(views.values()), g.num_blocks)
+    n, per_block = 16, g.block_bytes // PAGE
+    order = np.arange(POOL_PAGES) if pages == "consecutive" else np.random.default_rng(3).permutation(POOL_PAGES)
+    page_ids = order[: n * per_block].reshape(n, per_block).astype(np.uint32)
+    sources, targets = list(range(n)), list(range(32, 32 + n))
+    kv.record_ready()
+
+    stored = kv.to_pool(pool, page_ids, sources)
+    loaded = kv.from_pool(pool, page_ids, targets)
+
+    template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
+    bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
+    gpu_addresses, pool_addresses = template.addresses(bases, np.array(sources), pool.cuda_address(), page_ids, PAGE)
+    assert gpu_copy.by_dma(coalesce(pool_addresses, gpu_addresses, np.tile(template.words, n) * WORD)[2]) == dma  # the load
+    torch.cuda.synchronize()
+    in_pool = pool.view.read_blocks(page_ids, g.block_bytes)
+    expected = torch.cat([v.view(torch.uint8).flatten(1)[:n] for v in views.values()], dim=1).cpu().numpy()
+    assert np.array_equal(in_pool, expected)
+    for view in views.values():
+        as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
+        assert torch.equal(as_bytes[32 : 32 + n], as_bytes[:n])
+    assert np.array_equal(stored, checksum.block_checksums(expected))
+    assert np.array_equal(loaded, stored)
