@@ -6,7 +6,7 @@ block-outermost BLHNC layout), fills blocks with data derived from a seed, and d
 the vLLM connector uses (kvtier.engine: DaemonLink, BlockTransfers with a GpuKV).
 
 As a process: `python fake_engine.py SPEC_JSON`, where the spec holds the daemon address, the cache
-geometry and a list of steps:
+geometry, the GPU index ("device", default 0) and a list of steps:
   {"fill": [block ids], "seed": s}       write seeded data into those blocks
   {"store": [block ids], "seed": s}      store them under hashes derived from s, or from "hash_seed"
                                          when given (waits for the daemon)
@@ -160,6 +160,7 @@ class FakeEngine:
 
 
 def main(spec: dict) -> None:
+    torch.cuda.set_device(spec.get("device", 0))  # a TP rank's GPU (the daemon finds it by UUID)
     engine = FakeEngine(
         spec["address"],
         Geometry(**spec.get("geometry", {})),

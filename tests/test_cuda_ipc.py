@@ -47,11 +47,18 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
     assert "cuda_ipc refused" in daemon.log()
 
 
-def engine(
-    address: str, steps: list[dict], layout: str = "LBHNC", name: str = "fake", geometry=None, tp: tuple[int, int] = (0, 1)
+def engine(  # noqa: PLR0913
+    address: str,
+    steps: list[dict],
+    layout: str = "LBHNC",
+    name: str = "fake",
+    geometry=None,
+    tp: tuple[int, int] = (0, 1),
+    device: int = 0,
 ) -> subprocess.Popen:
-    """One fake engine worker process; `tp` = (its rank, the engine's TP size)."""
+    """One fake engine worker process on GPU `device`; `tp` = (its rank, the engine's TP size)."""
     spec = {"address": address, "geometry": geometry or GEOMETRY, "layout": layout, "name": name, "steps": steps}
+    spec["device"] = device
     spec_json = json.dumps({**spec, "tp_rank": tp[0], "tp_size": tp[1]})
     return subprocess.Popen(
         [sys.executable, str(HERE / "fake_engine.py"), spec_json], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -74,10 +81,10 @@ def wait_line(process: subprocess.Popen, text: str, timeout: float = 60) -> None
     raise AssertionError(f"no {text!r}")
 
 
-def free_gpu_mib() -> float:
-    """Free memory on GPU 0 as the driver sees it (every process counts, this one included)."""
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info(0)[0] / 2**20
+def free_gpu_mib(device: int = 0) -> float:
+    """Free memory on a GPU as the driver sees it (every process counts, this one included)."""
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0] / 2**20
 
 
 @gpu
@@ -143,6 +150,73 @@ def test_tensor_parallel_ranks_keep_their_own_blocks(start_daemon):
         loaded, checked = results(process)
         assert loaded["loaded"] and loaded["cuda_ipc"] and checked["matches"]
     assert len(daemon.admin("ListNamespaces").namespaces) == 2  # one per rank
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (device kind nvidia-h200-x2)")
+def test_tensor_parallel_engines_on_two_gpus(start_daemon, tmp_path):
+    """Two TP=2 engines, one worker process per GPU, against one daemon: each rank registers its own
+    GPU by UUID, engine 2's ranks load engine 1's blocks byte-exact into their own GPUs; then one rank
+    of a third engine is killed mid-store: the daemon closes that rank's mapping (its GPU memory comes
+    back) while the other rank keeps storing and loading, and nothing stays reserved or pinned."""
+    daemon = start_daemon("--pool-size", "512MiB", "--lease-ttl", "600s")
+    ids, targets = list(range(16)), list(range(32, 48))
+    store = [[{"fill": ids, "seed": 60 + r}, {"store": ids, "seed": 60 + r, "hash_seed": 9}] for r in (0, 1)]
+    writers = [engine(daemon.address, store[r], "BLHNC", tp=(r, 2), device=r) for r in (0, 1)]
+    for process in writers:
+        stored = results(process)[1]
+        assert stored["cuda_ipc"] and stored["stored_blocks"] == 16
+    readers = [
+        engine(
+            daemon.address,
+            [{"load": targets, "seed": 60 + r, "hash_seed": 9}, {"check": targets, "seed": 60 + r}],
+            "BLHNC",  # consecutive blocks in consecutive pool pages: the loads go through the copy engines
+            tp=(r, 2),
+            device=r,
+        )
+        for r in (0, 1)
+    ]
+    for process in readers:
+        loaded, checked = results(process)
+        assert loaded["loaded"] and loaded["cuda_ipc"] and checked["matches"]
+    registered = [line for line in daemon.log().splitlines() if "cuda_ipc registered" in line]
+    assert any("device=0" in line for line in registered) and any("device=1" in line for line in registered)
+
+    big = {**GEOMETRY, "num_blocks": 4096}  # 1 GiB per rank: a kept mapping would show
+    free_before = free_gpu_mib(1)
+    go = tmp_path / "go"
+    survivor = engine(
+        daemon.address,
+        [
+            {"fill": ids, "seed": 70},
+            {"store": ids, "seed": 70, "hash_seed": 11},
+            {"wait_for": str(go)},
+            {"store": ids, "seed": 70, "hash_seed": 12},
+            {"load": targets, "seed": 70, "hash_seed": 12},
+            {"check": targets, "seed": 70},
+        ],
+        geometry=big,
+        tp=(0, 2),
+        device=0,
+    )
+    victim = engine(daemon.address, [{"fill": ids, "seed": 71}, {"store_forever": ids}], geometry=big, tp=(1, 2), device=1)
+    wait_line(victim, "STORING")
+    closed_before = daemon.log().count("cuda_ipc closed")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and daemon.log().count("cuda_ipc closed") == closed_before:
+        time.sleep(0.1)
+    while time.monotonic() < deadline and free_gpu_mib(1) < free_before - 512:
+        time.sleep(0.2)
+    assert free_gpu_mib(1) >= free_before - 512, "the killed rank's KV cache is still mapped"
+    go.touch()
+    steps = results(survivor)
+    assert steps[1]["stored_blocks"] == 16 and steps[3]["stored_blocks"] == 16
+    assert steps[4]["loaded"] and steps[5]["matches"]
+    stats = daemon.admin("GetStats")
+    assert stats.reserved_bytes == 0 and stats.pinned_blocks == 0
+    assert daemon.process.poll() is None
 
 
 @gpu

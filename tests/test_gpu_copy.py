@@ -5,6 +5,7 @@ on the GPU side), of short runs through the kernel; all byte-exact with kvtier.c
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,8 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     kv.record_ready()
 
     stored = kv.to_pool(pool, page_ids, sources)
-    loaded = kv.from_pool(pool, page_ids, targets)
+    with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the daemon's copy threads start
+        loaded = fresh.submit(kv.from_pool, pool, page_ids, targets).result()
 
     template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)

@@ -29,41 +29,56 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-def _batch_function():
-    """cuMemcpyBatchAsync as CUDA 13 declares it (no failIdx), or None on older drivers or without CUDA."""
+def _driver():
+    """libcuda with cuMemcpyBatchAsync as CUDA 13 declares it (no failIdx), or None on older drivers
+    or without CUDA."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
-        function = driver.cuMemcpyBatchAsync_v2
+        batch = driver.cuMemcpyBatchAsync_v2
     except (OSError, AttributeError):
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_size_t
-    function.argtypes = [pointer, pointer, pointer, size, pointer, pointer, size, pointer]  # dsts .. numAttrs, stream
-    function.restype = ctypes.c_int
-    return function
+    batch.argtypes = [pointer, pointer, pointer, size, pointer, pointer, size, pointer]  # dsts .. numAttrs, stream
+    driver.cuStreamGetCtx.argtypes = [pointer, ctypes.POINTER(pointer)]
+    driver.cuCtxPushCurrent_v2.argtypes = [pointer]
+    driver.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(pointer)]
+    return driver
 
 
-_BATCH = _batch_function()
+_DRIVER = _driver()
 _IN_STREAM_ORDER = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(), _MemLocation(), 0)
 _FIRST_COPY = (ctypes.c_size_t * 1)(0)
 
 
 def available() -> bool:
-    return _BATCH is not None
+    return _DRIVER is not None
 
 
 def copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream_handle: int) -> None:
-    """Enqueue copies src[i] -> dst[i] of sizes[i] bytes on the stream (not the legacy default stream);
-    the caller's thread must have the devices' context current (torch.cuda.device does that)."""
+    """Enqueue copies src[i] -> dst[i] of sizes[i] bytes on the stream (not the legacy default stream),
+    in the stream's context."""
     dst, src, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, sizes))
-    status = _BATCH(
-        dst.ctypes.data,
-        src.ctypes.data,
-        sizes.ctypes.data,
-        len(sizes),
-        ctypes.addressof(_IN_STREAM_ORDER),
-        ctypes.addressof(_FIRST_COPY),
-        1,
-        stream_handle,
-    )
+    context = ctypes.c_void_p()
+    _check("cuStreamGetCtx", _DRIVER.cuStreamGetCtx(stream_handle, ctypes.byref(context)))
+    # The driver call needs the stream's context current on this thread, which torch's device guard
+    # does not promise (a fresh thread whose runtime device is already the right one gets none).
+    _check("cuCtxPushCurrent", _DRIVER.cuCtxPushCurrent_v2(context))
+    try:
+        status = _DRIVER.cuMemcpyBatchAsync_v2(
+            dst.ctypes.data,
+            src.ctypes.data,
+            sizes.ctypes.data,
+            len(sizes),
+            ctypes.addressof(_IN_STREAM_ORDER),
+            ctypes.addressof(_FIRST_COPY),
+            1,
+            stream_handle,
+        )
+    finally:
+        _DRIVER.cuCtxPopCurrent_v2(ctypes.byref(context))
+    _check("cuMemcpyBatchAsync", status)
+
+
+def _check(call: str, status: int) -> None:
     if status != 0:
-        raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {status}")
+        raise RuntimeError(f"{call} failed with CUresult {status}")
