@@ -3,7 +3,8 @@
 A registration belongs to a session: the engine worker's KV cache allocations opened through CUDA
 IPC on the device with the same UUID, the segment template of its layout, and its ready event. The
 daemon keeps one CUDA context per GPU (torch's primary context) and a few streams per GPU; each copy
-is one kernel launch (gpu_copy) run on a worker thread, so the event loop never waits for the GPU.
+is one batch of gpu_copy (a kernel launch, or the copy engines for loads of long runs) launched and
+waited for on a worker thread, so the event loop never waits for the GPU.
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
 a store); loads return only when the bytes are in the engine's memory. When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
