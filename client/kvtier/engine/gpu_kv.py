@@ -1,6 +1,7 @@
 """An engine's GPU KV cache seen as runs of whole blocks: what the daemon needs for CUDA IPC, and the
-engine-side copies of the shm fallback (the daemon's copies, kvtier.gpu_copy, run by the engine on a side stream
-between its KV cache and its mapping of the pool, which it registers with cudaHostRegister).
+engine-side copies of the shm fallback (the daemon's copies, kvtier.gpu_copy, run by the engine on a
+side stream between its KV cache and its mapping of the pool, which it registers with
+cudaHostRegister).
 
 vLLM hands connectors one tensor per layer. Whatever the layout, block b of a layer is one or two
 contiguous byte runs at a fixed stride:
