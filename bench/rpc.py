@@ -1,4 +1,6 @@
-"""RPC cost of the data plane against a bare gRPC round trip of the same message sizes, in one run.
+"""RPC cost of the data plane against a bare gRPC round trip of the same message sizes, and the same
+lookups over the data socket (kvtier.data_socket), in one run. Store and load go through the client,
+which uses the data socket.
 
 Writes bench/results/rpc.json and bench/results/rpc.md. Usage: python bench/rpc.py [--quick]
 """
@@ -58,6 +60,9 @@ def main() -> None:
                 try:
                     results[f"echo_{count}"] = timed(echo, iterations)
                     results[f"lookup_{count}"] = timed(lambda r=request: client._stub.Lookup(r, timeout=10), iterations)
+                    results[f"lookup_{count}_data_socket"] = timed(
+                        lambda r=request: client.data_socket.call("Lookup", r), iterations
+                    )
                 finally:
                     channel.close()
                     server.kill()
@@ -90,6 +95,9 @@ def main() -> None:
         "lookup_1024_ratio_vs_echo": results["lookup_1024"]["p50_ms"] / results["echo_1024"]["p50_ms"],
         "lookup_64_ratio_vs_echo": results["lookup_64"]["p50_ms"] / echo_64,
         "lookup_1_ratio_vs_echo": results["lookup_1"]["p50_ms"] / results["echo_1"]["p50_ms"],
+        "lookup_1_data_socket_p50_ms": results["lookup_1_data_socket"]["p50_ms"],
+        "lookup_1_data_socket_vs_grpc": results["lookup_1_data_socket"]["p50_ms"] / results["lookup_1"]["p50_ms"],
+        "lookup_1024_data_socket_vs_grpc": results["lookup_1024_data_socket"]["p50_ms"] / results["lookup_1024"]["p50_ms"],
         f"store_{BATCH}_p50_ms": store_ms,
         f"load_{BATCH}_p50_ms": load_ms,
         f"store_{BATCH}_GBps": batch_gb / (store_ms / 1000),
@@ -102,7 +110,8 @@ def main() -> None:
     ratios = "\n".join(f"- {k}: {v:.3f}" for k, v in summary.items())
     (RESULTS / "rpc.md").write_text(
         f"# bench/rpc.py\n\nCommand: `{command}` (2-core machine, Unix socket, sync client, daemon on uvloop).\n"
-        f"`echo_N` is a bare gRPC call with the request and reply sizes of `lookup_N`. Store and load move {BATCH} blocks of "
+        f"`echo_N` is a bare gRPC call with the request and reply sizes of `lookup_N` (over gRPC); `lookup_N_data_socket` is "
+        f"the same call over the data socket. Store and load (over the data socket) move {BATCH} blocks of "
         f"{BLOCK_BYTES >> 10} KiB through the shm transport; `store_{BATCH}` includes an admin delete so every cycle stores anew "
         f"(`delete_overhead` is subtracted in the summary).\n\n{table}\n\n{ratios}\n"
     )

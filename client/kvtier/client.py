@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -12,9 +13,12 @@ import grpc
 import numpy as np
 
 from kvtier import ops
+from kvtier.data_socket import MESSAGES, DataSocket, data_socket_path
 from kvtier.paths import normalize_address
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvtier.client")
 
 DEFAULT_TIMEOUT = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
@@ -35,7 +39,8 @@ def hello(engine_name: str) -> pb.SessionRequest:
 
 
 class KVTierClient:
-    """Blocking client. `connect()` opens the session; every call raises grpc.RpcError on failure."""
+    """Blocking client. `connect()` opens the session; every call raises grpc.RpcError on failure.
+    Unary calls go over the daemon's data socket when it offers one (see kvtier.data_socket)."""
 
     def __init__(self, address: str | None = None, engine_name: str = "", timeout: float = DEFAULT_TIMEOUT) -> None:
         self.address = normalize_address(address)
@@ -47,6 +52,7 @@ class KVTierClient:
         self._admin: pb_grpc.KVTierAdminStub | None = None
         self._outbox: queue.Queue = queue.Queue()
         self._alive = threading.Event()
+        self._data: DataSocket | None = None
 
     # ------------------------------------------------------------------ session
 
@@ -69,8 +75,24 @@ class KVTierClient:
         self.state.session_id = event.session_id
         self.state.pool_info = event.pool
         self.state.limits = event.limits
+        self._data = self._open_data_socket(event.data_socket)
         self._alive.set()
         return self
+
+    def _open_data_socket(self, name: str) -> DataSocket | None:
+        path = data_socket_path(self.address, name)
+        if path is None:
+            return None
+        try:
+            return DataSocket(path, self.timeout)
+        except OSError as exc:  # e.g. not mounted into this container: gRPC works all the same
+            log.info("kvtierd data socket %s unusable (%s); calls go over gRPC", path, exc)
+            return None
+
+    @property
+    def data_socket(self) -> DataSocket | None:
+        """The data socket this session's unary calls use, or None (gRPC)."""
+        return self._data
 
     def _watch(self, call, first: queue.Queue) -> None:
         try:
@@ -88,6 +110,9 @@ class KVTierClient:
     def close(self) -> None:
         self._outbox.put(None)
         self.state.close_pool()
+        if self._data is not None:
+            self._data.close()
+            self._data = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -112,7 +137,10 @@ class KVTierClient:
         try:
             while True:
                 method, request = op.send(response)
-                response = getattr(self._stub, method)(request, timeout=self.timeout)
+                if self._data is not None and method in MESSAGES:
+                    response = self._data.call(method, request)
+                else:
+                    response = getattr(self._stub, method)(request, timeout=self.timeout)
         except StopIteration as done:
             return done.value
 

@@ -44,6 +44,12 @@ class Config:
     socket: Path = _option(default_socket_path(), "Unix socket to serve on (created with --socket-mode).", Path)
     socket_mode: int = _option(0o660, "Permissions of the Unix socket (octal).", _parse_mode)
     listen: str = _option("", "Also listen on TCP HOST:PORT (off unless given; no authentication).")
+    data_socket: bool = _option(
+        True,
+        "Also serve the unary data-plane calls on <socket>.data, a plain Unix socket (same messages, "
+        "without gRPC's per-call cost); engines on this host use it when offered.",
+        _parse_bool,
+    )
     pool_size: int = _option(1 << 30, "Size of the shared-memory pool (RAM tier), e.g. 512MiB, 64GiB.", parse_size)
     page_size: int = _option(32 << 10, "Pool page size; a block occupies ceil(block_bytes/page_size) pages.", parse_size)
     shm_dir: Path = _option(Path("/dev/shm"), "Directory of the pool's shared-memory file.", Path)

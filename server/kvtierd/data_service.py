@@ -38,6 +38,7 @@ class DataService(pb_grpc.KVTierServicer):
         pool_info: pb.PoolInfo,
         fs: FsTier | None,
         gpu: GpuTransfers,
+        data_socket: str = "",
     ) -> None:
         self.store = store
         self.pool = pool
@@ -47,6 +48,7 @@ class DataService(pb_grpc.KVTierServicer):
         self.pool_info = pool_info
         self.fs = fs
         self.gpu = gpu
+        self.data_socket = data_socket  # the data socket's file name, offered to every session
         self._closing = asyncio.Event()
 
     def close_sessions(self) -> None:
@@ -65,7 +67,13 @@ class DataService(pb_grpc.KVTierServicer):
             extra={"session": session.id, "engine": session.engine_name, "pid": session.pid, "peer": session.peer},
         )
         try:
-            yield pb.SessionEvent(session_id=session.id, pool=self.pool_info, server_version=__version__, limits=self.limits)
+            yield pb.SessionEvent(
+                session_id=session.id,
+                pool=self.pool_info,
+                server_version=__version__,
+                limits=self.limits,
+                data_socket=self.data_socket,
+            )
             # Heartbeats keep the stream alive and need no answer; it ends when the engine leaves or we shut down.
             drained = asyncio.ensure_future(_drain(request_iterator))
             closing = asyncio.ensure_future(self._closing.wait())

@@ -25,6 +25,7 @@ from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
 from kvtierd.config import Config
 from kvtierd.data_service import DataService
+from kvtierd.data_socket import DataSocketServer
 from kvtierd.errors import KVTierError
 from kvtierd.fs_tier import FsSettings, FsTier
 from kvtierd.gpu_transfers import GpuTransfers
@@ -54,6 +55,7 @@ class Daemon:
     metrics_port: int
     data: DataService
     fs: FsTier | None
+    data_socket: DataSocketServer | None
 
 
 def prepare_socket(path) -> None:
@@ -79,8 +81,22 @@ def prepare_socket(path) -> None:
     raise SystemExit(f"kvtierd: another daemon is serving on {path}")
 
 
+def data_socket_path(config: Config) -> Path | None:
+    """`<socket>.data` next to the gRPC socket, or None when off or when the path would be too long."""
+    if not config.data_socket:
+        return None
+    path = config.socket.with_name(config.socket.name + ".data")
+    if len(str(path)) > _UNIX_PATH_MAX:
+        log.warning("data socket off: its path would be too long", extra={"path": str(path)})
+        return None
+    return path
+
+
 def build(config: Config) -> Daemon:
     prepare_socket(config.socket)
+    fast_path = data_socket_path(config)
+    if fast_path is not None:
+        prepare_socket(fast_path)
     pool = SharedPool(config.shm_dir, pool_file_prefix(config.socket), config.pool_size, config.page_size, config.shm_mode)
     if config.prefault:
         started = time.perf_counter()
@@ -140,7 +156,7 @@ def build(config: Config) -> Daemon:
     gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered)
     if cuda_registered:
         gpu.warm_up()
-    data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu)
+    data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu, fast_path.name if fast_path else "")
     pb_grpc.add_KVTierServicer_to_server(data, server)
     pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info, fs), server)
     health_servicer = health.aio.HealthServicer()
@@ -149,7 +165,8 @@ def build(config: Config) -> Daemon:
     server.add_insecure_port(f"unix://{config.socket}")
     if config.listen:
         server.add_insecure_port(config.listen)
-    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs)
+    data_socket = DataSocketServer(data, fast_path, config.socket_mode, config.max_message_size) if fast_path else None
+    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs, data_socket)
 
 
 def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
@@ -195,6 +212,8 @@ async def serve(config: Config) -> None:
     finally:
         os.umask(previous_umask)
     os.chmod(config.socket, config.socket_mode)
+    if daemon.data_socket is not None:
+        await daemon.data_socket.start()
     for name in ("", *SERVICE_NAMES):
         await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(expire_leases(daemon))
@@ -204,6 +223,7 @@ async def serve(config: Config) -> None:
         extra={
             "version": __version__,
             "socket": str(config.socket),
+            "data_socket": str(daemon.data_socket.path) if daemon.data_socket else "off",
             "tcp": config.listen or "off",
             "metrics_port": daemon.metrics_port,
             "pool_bytes": daemon.pool.size,
@@ -216,6 +236,8 @@ async def serve(config: Config) -> None:
     await stop.wait()
     log.info("shutting down", extra={"grace_seconds": SHUTDOWN_GRACE_SECONDS})
     await daemon.health.enter_graceful_shutdown()
+    if daemon.data_socket is not None:
+        daemon.data_socket.close()
     daemon.data.close_sessions()
     await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
     expiry.cancel()

@@ -77,16 +77,18 @@ class PoolInfo(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., cuda_registered: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "pool", "server_version", "limits")
+    __slots__ = ("session_id", "pool", "server_version", "limits", "data_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: PoolInfo
     server_version: str
     limits: Limits
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., server_version: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_batch_blocks", "max_message_bytes", "lease_ttl_ms", "max_namespaces")

@@ -1,0 +1,107 @@
+"""Serves the unary KVTier calls on the data socket (framing in kvtier.data_socket).
+
+Each call goes to the same DataService handler as its gRPC twin, through the same `rpc.unary`
+wrapper (timing metrics, error statuses, log lines); a refused call answers its gRPC status code
+and message. A connection is served one call at a time, in order; connections run concurrently.
+A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvtier.data_socket import MESSAGES, REQUEST_HEADER, RESPONSE_HEADER
+
+log = logging.getLogger("kvtierd.data_socket")
+
+_OK = 0
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """What `rpc.unary` needs of a gRPC context: the peer, and abort (here: raise)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise _Refused(code, details)
+
+
+class DataSocketServer:
+    def __init__(self, service, path: Path, mode: int, max_message_bytes: int) -> None:
+        self.service = service
+        self.path = path
+        self.mode = mode
+        self.max_message_bytes = max_message_bytes
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._ids = itertools.count(1)
+
+    async def start(self) -> None:
+        previous_umask = os.umask(0o777 & ~self.mode)  # born with its final mode, as the gRPC socket
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        finally:
+            os.umask(previous_umask)
+        os.chmod(self.path, self.mode)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        self.path.unlink(missing_ok=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = f"data-socket:{next(self._ids)}"
+        self._writers.add(writer)
+        try:
+            while True:
+                length, name_length = REQUEST_HEADER.unpack(await reader.readexactly(REQUEST_HEADER.size))
+                method = (await reader.readexactly(name_length)).decode(errors="replace")
+                if length > self.max_message_bytes:
+                    message = f"a {length}-byte request exceeds the limit of {self.max_message_bytes} bytes"
+                    log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
+                    await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
+                    return  # its bytes were not read: the connection cannot go on
+                status, body = await self._call(method, await reader.readexactly(length), peer)
+                await _answer(writer, status, body)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away (between calls, or in the middle of one)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _call(self, method: str, payload: bytes, peer: str) -> tuple[int, bytes]:
+        if method not in MESSAGES:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary KVTier method {method!r}".encode()
+        try:
+            request = MESSAGES[method][0].FromString(payload)
+        except DecodeError:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"malformed {method} request".encode()
+        try:
+            response = await getattr(self.service, method)(request, _CallContext(peer))
+        except _Refused as refused:
+            return refused.code.value[0], refused.details.encode()
+        return _OK, response.SerializeToString()
+
+
+async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+    writer.write(RESPONSE_HEADER.pack(len(body), status) + body)
+    await writer.drain()

@@ -1,0 +1,111 @@
+"""The data socket: unary KVTier calls over a plain Unix socket next to the gRPC one, with the same
+messages, handlers, statuses and metrics; refused frames never take the daemon down; without it
+(switched off, or not reachable from the client) the same calls go over gRPC."""
+
+from __future__ import annotations
+
+import re
+import socket
+import stat
+import struct
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import numpy as np
+import pytest
+from blocks import spec
+
+from kvtier.client import KVTierClient
+from kvtier.data_socket import REQUEST_HEADER, RESPONSE_HEADER
+from kvtier.v1 import kvtier_pb2 as pb
+
+BLOCK = 4096
+
+
+def rpc_count(daemon, method: str) -> float:
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
+    found = re.search(rf'^kvtierd_rpc_duration_seconds_count{{method="{method}"}} (\S+)$', metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value.code(), refused.value.details()
+
+
+def test_calls_go_over_the_data_socket_with_grpcs_results_and_metrics(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB")
+    path = daemon.socket.with_name(daemon.socket.name + ".data")
+    assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o660
+    data = np.random.default_rng(5).integers(0, 256, (3, BLOCK), dtype=np.uint8)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    with KVTierClient(daemon.address) as client:
+        assert client.data_socket is not None and client.data_socket.path == path
+        lookups_before = rpc_count(daemon, "Lookup")
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.store(ns, hashes, data) == 3
+        assert np.array_equal(client.load(ns, hashes), data)
+        assert client.lookup(ns, hashes).hit_count == 3
+        assert rpc_count(daemon, "Lookup") == lookups_before + 1  # timed by the same wrapper as gRPC calls
+        over_socket = refusal(lambda: client.lookup(ns, [b"x" * 3]))
+        unknown_namespace = refusal(lambda: client.lookup(_other(ns), hashes))
+        socket_path, client._data = client._data, None  # the same calls over gRPC
+        assert client.lookup(ns, hashes).hit_count == 3
+        assert refusal(lambda: client.lookup(ns, [b"x" * 3])) == over_socket
+        assert refusal(lambda: client.lookup(_other(ns), hashes)) == unknown_namespace
+        client._data = socket_path
+    assert over_socket[0] == grpc.StatusCode.INVALID_ARGUMENT and "multiple of" in over_socket[1]
+    assert unknown_namespace[0] == grpc.StatusCode.NOT_FOUND
+
+
+def _other(ns):
+    """The namespace `ns` under an id the daemon never gave out."""
+    return replace(ns, id="no-such-namespace")
+
+
+def raw_call(connection: socket.socket, method: bytes, payload: bytes, length: int | None = None) -> tuple[int, bytes]:
+    connection.sendall(REQUEST_HEADER.pack(len(payload) if length is None else length, len(method)) + method + payload)
+    header = connection.recv(RESPONSE_HEADER.size, socket.MSG_WAITALL)
+    size, status = RESPONSE_HEADER.unpack(header)
+    return status, connection.recv(size, socket.MSG_WAITALL) if size else b""
+
+
+def test_bad_frames_get_a_status_and_the_daemon_keeps_serving(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB", "--max-message-size", "1MiB")
+    path = daemon.socket.with_name(daemon.socket.name + ".data")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(10)
+        connection.connect(str(path))
+        status, message = raw_call(connection, b"Session", b"")
+        assert status == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"Session" in message
+        status, message = raw_call(connection, b"Lookup", b"\xff\xff\xff")
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"malformed" in message
+        request = pb.LookupRequest(session_id="no-such-session", namespace="x", hashes=b"h" * 32).SerializeToString()
+        status, _ = raw_call(connection, b"Lookup", request)
+        assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]  # as over gRPC: no such session
+        status, message = raw_call(connection, b"Commit", b"", length=2 << 20)  # announces 2 MiB, sends none
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"limit" in message
+        assert connection.recv(1) == b""  # that connection is closed
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as half:
+        half.connect(str(path))
+        half.sendall(struct.pack("<I", 10))  # a client that dies in the middle of a frame
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.data_socket is not None and client.lookup(ns, [b"h" * 32]).hit_count == 0
+    assert daemon.process.poll() is None and "data socket request refused" in daemon.log()
+
+
+def test_without_the_data_socket_calls_go_over_grpc(start_daemon):
+    off = start_daemon("--pool-size", "64MiB", "--data-socket", "false")
+    assert not off.socket.with_name(off.socket.name + ".data").exists()
+    offered = start_daemon("--pool-size", "64MiB")
+    offered.socket.with_name(offered.socket.name + ".data").unlink()  # offered, but not reachable from here
+    for daemon in (off, offered):
+        with KVTierClient(daemon.address) as client:
+            assert client.data_socket is None
+            ns = client.register(spec(block_bytes=BLOCK))
+            data = np.full((1, BLOCK), 7, dtype=np.uint8)
+            assert client.store(ns, [b"k" * 32], data) == 1
+            assert np.array_equal(client.load(ns, [b"k" * 32]), data)
