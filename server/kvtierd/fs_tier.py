@@ -119,11 +119,12 @@ class FsTier:
         self.direct = False
         self.staging = StagingBuffers(settings.queue_bytes)
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
+        self.sync_executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-sync")  # commits' fsyncs
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
-        self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed)
+        self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed, self.sync_executor.map)
         self._saved_changes = -1  # index.changes when the index file was last written
 
     # ------------------------------------------------------------------ start and stop
@@ -185,6 +186,7 @@ class FsTier:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
         await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.sync_executor.shutdown(wait=False)  # a commit job still running finishes its fsyncs
 
     async def keep_index_file(self) -> None:
         """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
