@@ -88,8 +88,8 @@ def block_path(root: Path, digest: str, block_hash: bytes) -> Path:
     return root / digest / FANOUT[block_hash[0]] / (block_hash.hex() + SUFFIX)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -97,11 +97,7 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def _trim(segments: Sequence[memoryview], total: int) -> list[memoryview]:
@@ -254,7 +250,7 @@ def commit_files(files: Sequence[tuple[Path, Path]], each: Each = map) -> None:
     commit (each fsync mostly waits for the device). On an error every file of the group is removed
     (none was indexed) and the error raised."""
     try:
-        list(each(_fsync_file, [temporary for temporary, _ in files]))
+        list(each(_fsync, [temporary for temporary, _ in files]))
         for temporary, path in files:
             os.rename(temporary, path)
         list(each(_fsync_dir, {path.parent for _, path in files}))
