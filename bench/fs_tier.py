@@ -56,6 +56,7 @@ POOL = 256 << 20
 LOAD_BATCH = 64
 BURST = 256  # blocks evicted at once in the demotion measurement (512 MiB)
 SMALL_BLOCK = 512
+POLL_S = 0.005  # between GetStats calls while waiting for files to be stored
 GB = 1e9
 
 
@@ -124,8 +125,9 @@ def fs_stats(daemon) -> pb.TierStats:
 
 
 def wait_stored(daemon, blocks: int) -> pb.TierStats:
+    """Poll until the tier counts `blocks` stored; a timed wait overshoots by at most one POLL_S."""
     while (stats := fs_stats(daemon)).stored_blocks < blocks:
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     return stats
 
 

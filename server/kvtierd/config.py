@@ -68,7 +68,9 @@ class Config:
     fs_size: int = _option(0, "Most bytes the filesystem tier may hold, e.g. 500GiB (needed with --fs-path).", parse_size)
     fs_eviction: str = _option("lru", "Eviction policy of the filesystem tier.", str, ("lru", "arc"))
     fs_write_through: bool = _option(False, "Also write every committed block to disk (not only evicted ones).", _parse_bool)
-    fs_io_threads: int = _option(8, "Threads doing the filesystem tier's file I/O.", int)
+    fs_io_threads: int = _option(
+        8, "Threads doing the filesystem tier's file I/O (as many more issue a group commit's fsyncs).", int
+    )
     fs_direct_io: bool = _option(False, "Use O_DIRECT for block files where the filesystem allows it.", _parse_bool)
     fs_queue_size: int = _option(
         1 << 30, "Most bytes of evicted blocks waiting to be written to disk; later victims are not demoted.", parse_size

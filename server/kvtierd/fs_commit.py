@@ -7,7 +7,9 @@ file; here one commit serves the whole group, while the I/O threads go on writin
 covering a file is done does the tier index the block, so the index (and anything written from it)
 never claims a block that a crash could lose.
 
-Runs on the event loop; the jobs run on the tier's thread pool (through `run`).
+Runs on the event loop; the jobs run on the tier's I/O threads (through `run`), queued behind the
+writes started before them, so a burst of writes is committed in few large groups. Within a job the
+fsyncs run through `each` (the tier passes its sync threads' `map`, so they are issued in parallel).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from kvtierd.fs_format import commit_files
+from kvtierd.fs_format import Each, commit_files
 
 Job = TypeVar("Job")
 
@@ -36,8 +38,10 @@ class GroupCommit(Generic[Job]):
         self,
         run: Callable[..., asyncio.Future],
         committed: Callable[[list[Job], BaseException | None], None],
+        each: Each = map,
     ) -> None:
         self._run = run
+        self._each = each
         self._committed = committed  # called with the jobs of each commit and its error
         self._waiting: list[_Written[Job]] = []
         self._busy = False
@@ -54,7 +58,7 @@ class GroupCommit(Generic[Job]):
         self._busy = True
         self.commits += 1
         files = [(w.temporary, w.path) for w in group]
-        self._run(commit_files, files).add_done_callback(partial(self._done, group))
+        self._run(commit_files, files, self._each).add_done_callback(partial(self._done, group))
 
     def _done(self, group: list[_Written[Job]], future: asyncio.Future) -> None:
         self._busy = False
