@@ -16,8 +16,6 @@ position in the block), so stores get their checksums and loads their verificati
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import triton
@@ -53,23 +51,7 @@ def _copy_segments(src_addresses, dst_addresses, word_counts, first_words, parti
     tl.store(partial_sums + segment, tl.sum(total, axis=0))
 
 
-@dataclass(frozen=True)
-class PendingCopy:
-    """A launched batch: its per-segment checksum parts land in pinned `sums` when `done` happens."""
-
-    sums: torch.Tensor  # int64 [segments], pinned host memory written by the stream
-    done: torch.cuda.Event
-    n_blocks: int
-
-    def checksums(self) -> np.ndarray:
-        """The blocks' kvtier checksums, once the copy has ended (waits for it)."""
-        self.done.synchronize()
-        per_segment = self.sums.numpy().view(np.uint64).reshape(self.n_blocks, -1)
-        with np.errstate(over="ignore"):
-            return checksum.combine([per_segment.sum(axis=1, dtype=np.uint64)])
-
-
-def launch_copy(
+def copy_blocks(
     template: SegmentTemplate,
     allocation_bases: np.ndarray,
     block_ids: np.ndarray,
@@ -80,9 +62,9 @@ def launch_copy(
     device: torch.device,
     stream: torch.cuda.Stream,
     after=None,
-) -> PendingCopy:
-    """Launch the copy of whole blocks between a GPU KV cache (laid out as `template` over
-    `allocation_bases`) and pool pages, on `stream` after the event `after` (if any); never waits."""
+) -> np.ndarray:
+    """Copy whole blocks between a GPU KV cache (laid out as `template` over `allocation_bases`) and
+    pool pages, on `stream` after the event `after` (if any); returns the blocks' checksums once done."""
     gpu, pool = template.addresses(allocation_bases, np.asarray(block_ids, dtype=np.int64), pool_address, page_ids, page_size)
     n = len(block_ids)
     words, first = np.tile(template.words, n), np.tile(template.first_word, n)
@@ -99,9 +81,10 @@ def launch_copy(
         with torch.cuda.stream(stream):
             sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
             sums.copy_(partial, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-    return PendingCopy(sums, done, n)
+        stream.synchronize()
+    per_segment = sums.numpy().view(np.uint64).reshape(n, -1)
+    with np.errstate(over="ignore"):
+        return checksum.combine([per_segment.sum(axis=1, dtype=np.uint64)])
 
 
 def by_dma(run_sizes: np.ndarray) -> bool:

@@ -160,11 +160,11 @@ class GpuTransfers:
         """Launch (numpy and launches, on this worker thread so the event loop keeps serving) and wait."""
         import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
 
-        from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
+        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (needs triton)
 
         with self._lock:
             stream = next(self._streams[registration.device_index])
-        return launch_copy(
+        return copy_blocks(
             registration.template,
             registration.bases,
             block_ids,
@@ -175,7 +175,7 @@ class GpuTransfers:
             torch.device("cuda", registration.device_index),
             stream,
             after=registration.ready_event if to_pool else None,
-        ).checksums()
+        )
 
     # ------------------------------------------------------------------ teardown
 

@@ -135,12 +135,12 @@ class GpuKV:
         return self._copy(pool, page_ids, block_ids, to_pool=False)
 
     def _copy(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], to_pool: bool) -> np.ndarray:
-        from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (triton)
+        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (triton)
 
         page_size = pool.view.page_size
         if self._template is None or self._template[0] != page_size:
             self._template = (page_size, SegmentTemplate.build(self._runs, page_size))
-        return launch_copy(
+        return copy_blocks(
             self._template[1],
             self._bases,
             np.asarray(block_ids, dtype=np.int64),
@@ -151,4 +151,4 @@ class GpuKV:
             self.device,
             self._stream,
             after=self.ready if to_pool else None,
-        ).checksums()
+        )
