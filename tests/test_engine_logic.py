@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import urllib.request
@@ -181,6 +182,28 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
     finally:
         link.close()
         restarted.stop()
+
+
+def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
+    """A request that arrives while the link is still connecting is asked again, not answered "miss"."""
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen()
+    link = DaemonLink(f"unix://{tmp_path}/silent.sock", "pytest", timeout=1.0, reconnect_interval=30.0)
+    link.set_namespace_spec(engine_spec())
+    planner = PrefixPlanner(link, BLOCK_TOKENS, b"spec", lookup_wait_s=30.0)
+    hashes = chain_hashes("connecting", 4)
+    try:
+        link.connect_soon()
+        assert link.available
+        assert planner.matched_tokens("r1", hashes, 4 * BLOCK_TOKENS + 1, 0, None) == (None, False)
+        planner.plan_step([])  # the lookup queues behind the connect
+        wait(lambda: not link.available, timeout=5)  # the attempt timed out: now the link is down
+        assert planner.matched_tokens("r1", hashes, 4 * BLOCK_TOKENS + 1, 0, None) == (0, False)
+        assert planner.matched_tokens("r2", hashes, 4 * BLOCK_TOKENS + 1, 0, None) == (0, False)
+    finally:
+        link.close()
+        silent.close()
 
 
 def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_reported(link):

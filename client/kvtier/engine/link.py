@@ -3,7 +3,8 @@
 Every daemon call runs on one background thread. Callers get a Future and never block on the daemon
 unless they choose to wait (with a bound). When the daemon is absent, restarting or failing, calls
 fail fast (their Future raises `DaemonUnavailable`), the link retries the connection at most once per
-`reconnect_interval`, and after a restart it opens a new session, registers its namespace again and
+`reconnect_interval` after a failed attempt (a connect still under way is not "down": callers wait for
+it like for any other answer), and after a restart it opens a new session, registers its namespace again and
 maps the new pool by itself.
 """
 
@@ -42,7 +43,7 @@ class DaemonLink:
         self._spec: pb.NamespaceSpec | None = None
         self._cuda_kv: pb.CudaKVCache | None = None
         self._namespace: Namespace | None = None
-        self._next_attempt = 0.0
+        self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
         self._lock = threading.Lock()
         self.connects = 0
@@ -69,8 +70,8 @@ class DaemonLink:
 
     @property
     def available(self) -> bool:
-        """False while the link is known to be down and waiting to retry."""
-        return self._client is not None or time.monotonic() >= self._next_attempt
+        """False while the link is known to be down (its last connect attempt failed) and waiting to retry."""
+        return self._client is not None or time.monotonic() >= self._down_until
 
     def submit(self, call: Callable[[KVTierClient, Namespace], T]) -> Future[T]:
         """Run `call(client, namespace)` on the link thread; its Future raises DaemonUnavailable on failure."""
@@ -125,13 +126,12 @@ class DaemonLink:
             self._drop("session ended")
             client = None
         if client is None:
-            now = time.monotonic()
-            if now < self._next_attempt:
+            if time.monotonic() < self._down_until:
                 raise DaemonUnavailable("kvtierd unreachable; retrying shortly")
-            self._next_attempt = now + self.reconnect_interval
             try:
                 client = KVTierClient(self.address, engine_name=self.engine_name, timeout=self.timeout).connect()
             except (grpc.RpcError, ConnectionError, OSError) as exc:
+                self._down_until = time.monotonic() + self.reconnect_interval
                 if not self._down_logged:
                     log.warning("kvtierd unreachable (%s); serving without it (misses) and retrying", exc)
                     self._down_logged = True
