@@ -3,13 +3,18 @@ in one run, plus restart (re-indexing) time for 100k and 1M blocks.
 
 - Baselines: DATA_BYTES written to ONE file in 2 MiB O_DIRECT writes, then one fsync, and read back with
   O_DIRECT: "dd" from one thread (`dd oflag=direct conv=fsync bs=2M`, `dd iflag=direct`), "parallel"
-  from --io-threads threads. Ratios divide by the better of the two. The tier does strictly more for
-  the same bytes: one file per block, each fsync'd, renamed, its directory fsync'd (group commit).
+  from --io-threads threads. The read ratio divides by the better of the two. The tier does strictly
+  more for the same bytes: one file per block, each fsync'd and renamed.
+- Write ratios are paired: this disk's speed drifts by tens of percent within minutes, so every timed
+  round of the tier follows a dd burst of the same BURST blocks (one file, O_DIRECT, one fsync) on the
+  same disk, and a ratio is the dd bursts' seconds over the tier rounds' seconds (`paired_dd_*`). Both
+  start from a synced filesystem (os.sync() untimed before each), so neither pays for the other's
+  background writeback or discards.
 - Demotion (the headline `tier_write_GBps`): the tier's own throughput. Each round fills a pool of
   BURST blocks (untimed), then one reservation of BURST new blocks evicts them all at once; timed from
   before that reservation (the copy out of the pool included) until the tier counts every file stored
-  (written, fsync'd, renamed, directory fsync'd). The first round warms the staging buffers and is
-  reported apart (`tier_write_first_burst_GBps`).
+  (written, fsync'd, renamed). The first round warms the staging buffers and is reported apart
+  (`tier_write_first_burst_GBps`).
 - Write-through: rounds of BURST blocks written into the pool by the client (untimed) and committed in
   one call; timed from the commit until every file is stored.
 - Store and demote (`store_and_demote_GBps`): end to end, two client threads store into a full 256 MiB
@@ -48,7 +53,7 @@ from blocks import chain_hashes, contents, spec  # noqa: E402
 
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
-from kvtierd.fs_format import aligned_empty, block_path, write_spec, write_temporary  # noqa: E402
+from kvtierd.fs_format import aligned_empty, block_path, write_block_file, write_spec  # noqa: E402
 from kvtierd.namespace import namespace_digest  # noqa: E402
 
 BLOCK = 2 << 20
@@ -67,18 +72,13 @@ def baseline(directory: Path, data: np.ndarray, total: int, threads: int) -> dic
     "files": the same bytes as one file per BLOCK (create, O_DIRECT write, fsync, close) from `threads`
     threads, and one fsync of their directory."""
     path = directory / "baseline.bin"
-    source = aligned_empty(len(data) * BLOCK).reshape(len(data), BLOCK)
-    source[:] = data
-    pieces = [(offset, memoryview(source[i % len(data)])) for i, offset in enumerate(range(0, total, BLOCK))]
+    pieces = [(offset, memoryview(data[i % len(data)])) for i, offset in enumerate(range(0, total, BLOCK))]
     result = {}
     for name, workers in (("dd", 1), ("parallel", threads)):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        write_s = timed_write(path, pieces, workers)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         targets = [memoryview(aligned_empty(BLOCK)) for _ in range(workers)]
         with ThreadPoolExecutor(workers) as pool:
-            started = time.perf_counter()
-            list(pool.map(partial(_write_piece, fd), pieces))
-            os.fsync(fd)
-            write_s = time.perf_counter() - started
             started = time.perf_counter()
             read = list(pool.map(partial(_read_piece, fd, targets), range(len(pieces))))
             read_s = time.perf_counter() - started
@@ -95,6 +95,29 @@ def baseline(directory: Path, data: np.ndarray, total: int, threads: int) -> dic
         result["files_write_GBps"] = total / (time.perf_counter() - started) / GB
     shutil.rmtree(files)
     return result
+
+
+def timed_write(path: Path, pieces: list[tuple[int, memoryview]], workers: int) -> float:
+    """Seconds to write `pieces` (offset, bytes) to a new file at `path` with O_DIRECT from `workers`
+    threads, then fsync it; the file is left in place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            started = time.perf_counter()
+            list(pool.map(partial(_write_piece, fd), pieces))
+            os.fsync(fd)
+            return time.perf_counter() - started
+    finally:
+        os.close(fd)
+
+
+def dd_burst(directory: Path, data: np.ndarray) -> float:
+    """Seconds for a dd-style write of BURST blocks (one thread, O_DIRECT, one fsync); file then removed."""
+    path = directory / "dd-burst.bin"
+    os.sync()
+    seconds = timed_write(path, [(i * BLOCK, memoryview(data[i % len(data)])) for i in range(BURST)], 1)
+    path.unlink()
+    return seconds
 
 
 def _write_file(directory: Path, i: int, piece: memoryview) -> None:
@@ -160,11 +183,13 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
         with KVTierClient(daemon.address, engine_name="bench", timeout=600) as client:
             ns = client.register(spec(block_bytes=BLOCK))
             hashes = chain_hashes("fs-bench", 2 * (count + BURST))
-            seconds = []
+            seconds, dd_seconds = [], []
             for first in range(0, len(hashes), 2 * BURST):
                 store(client, ns, hashes, data, first, first + BURST)  # fills the pool; nothing is evicted
                 demoted = first // 2
                 assert fs_stats(daemon).stored_blocks == demoted
+                dd_seconds.append(dd_burst(directory, data))
+                os.sync()
                 started = time.perf_counter()
                 reservation = client.reserve(ns, hashes[first + BURST : first + 2 * BURST])
                 stats = wait_stored(daemon, demoted + BURST)
@@ -185,6 +210,9 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
                 assert np.array_equal(loaded, contents_of(data, hashes, on_disk[start : start + 8]))
         return {
             "tier_write_GBps": count * BLOCK / sum(seconds[1:]) / GB,
+            "paired_dd_write_GBps": count * BLOCK / sum(dd_seconds[1:]) / GB,
+            "write_ratio": sum(dd_seconds[1:]) / sum(seconds[1:]),
+            "write_ratio_by_round": [dd / tier for dd, tier in zip(dd_seconds[1:], seconds[1:], strict=True)],
             "tier_write_first_burst_GBps": BURST * BLOCK / seconds[0] / GB,
             "demotion_burst_blocks": BURST,
             "tier_read_GBps": count * BLOCK / read_s / GB,
@@ -210,18 +238,24 @@ def write_through(directory: Path, data: np.ndarray, count: int, threads: int) -
         with KVTierClient(daemon.address, engine_name="bench", timeout=600) as client:
             ns = client.register(spec(block_bytes=BLOCK))
             hashes = chain_hashes("fs-bench-wt", count + BURST)
-            seconds = []
+            seconds, dd_seconds = [], []
             for first in range(0, len(hashes), BURST):
                 reservation = client.reserve(ns, hashes[first : first + BURST])
                 view = client.state.pool().view
                 for chunk in range(0, BURST, 64):
                     view.write_blocks(reservation.page_ids[chunk : chunk + 64], blocks_of(data, first + chunk, 64))
+                dd_seconds.append(dd_burst(directory, data))
+                os.sync()
                 started = time.perf_counter()
                 client.commit(reservation.id)
                 stats = wait_stored(daemon, first + BURST)
                 seconds.append(time.perf_counter() - started)
             assert stats.blocks == count + BURST, stats
-        return {"write_through_GBps": count * BLOCK / sum(seconds[1:]) / GB}
+        return {
+            "write_through_GBps": count * BLOCK / sum(seconds[1:]) / GB,
+            "write_through_ratio": sum(dd_seconds[1:]) / sum(seconds[1:]),
+            "write_through_ratio_by_round": [dd / tier for dd, tier in zip(dd_seconds[1:], seconds[1:], strict=True)],
+        }
     finally:
         stop_daemon(daemon)
         shutil.rmtree(fs_dir, ignore_errors=True)
@@ -276,7 +310,7 @@ def fill(fs_dir: Path, count: int) -> tuple[pb.NamespaceSpec, list[bytes]]:
     def write(start: int) -> None:
         for i in range(start, min(start + 4096, count)):
             path = block_path(fs_dir, digest, hashes[i])
-            os.rename(write_temporary(path, digest, hashes[i], SMALL_BLOCK, 0, time.time(), [payload[i % 64]], False), path)
+            write_block_file(path, digest, hashes[i], SMALL_BLOCK, 0, time.time(), [payload[i % 64]], False, durable=False)
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(write, range(0, count, 4096)))
@@ -301,7 +335,7 @@ def restart(directory: Path, count: int) -> dict:
                     r"fs tier indexed .*blocks=(\d+) .*directories_from_index_file=(\d+) .*seconds=([\d.]+)", daemon.log()
                 )
                 assert indexed and int(indexed.group(1)) == count, daemon.log()[-2000:]
-                assert int(indexed.group(2)) == (256 if how == "index_file" else 0), indexed.group(0)
+                assert int(indexed.group(2)) == (16 if how == "index_file" else 0), indexed.group(0)
                 with KVTierClient(daemon.address, engine_name="bench") as client:
                     ns = client.register(small)
                     middle = count // 2
@@ -323,7 +357,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--io-threads", type=int, default=16)
     args = parser.parse_args()
-    count = 256 if args.quick else 1024  # blocks of 2 MiB: 2 GiB, 8x the pool
+    count = 256 if args.quick else 2048  # blocks of 2 MiB: 4 GiB, 16x the pool; 8 timed rounds
     restarts = (10_000,) if args.quick else (100_000, 1_000_000)
     needed = 2 * count * BLOCK + max(restarts) * 4096 + (1 << 30)
     free = shutil.disk_usage(args.dir).free
@@ -331,7 +365,8 @@ def main() -> None:
         sys.exit(f"fs_tier bench: {args.dir} has {free / GB:.1f} GB free, needs {needed / GB:.1f} GB")
     directory = Path(tempfile.mkdtemp(prefix="kvt-fsbench-", dir=args.dir))
     try:
-        data = contents(chain_hashes("fs-bench-data", 32), BLOCK)
+        data = aligned_empty(32 * BLOCK).reshape(32, BLOCK)  # O_DIRECT writes of the baselines need aligned bytes
+        data[:] = contents(chain_hashes("fs-bench-data", 32), BLOCK)
         result: dict = {"block_bytes": BLOCK, "data_bytes": count * BLOCK, "io_threads": args.io_threads}
         result |= baseline(directory, data, count * BLOCK, args.io_threads)
         result |= demotion(directory, data, count, args.io_threads)
@@ -339,9 +374,6 @@ def main() -> None:
         result |= streaming(directory, data, count, args.io_threads, clients=2)
         write_base = max(result["dd_write_GBps"], result["parallel_write_GBps"])
         read_base = max(result["dd_read_GBps"], result["parallel_read_GBps"])
-        result["write_ratio"] = result["tier_write_GBps"] / write_base
-        result["write_ratio_vs_files"] = result["tier_write_GBps"] / result["files_write_GBps"]
-        result["write_through_ratio"] = result["write_through_GBps"] / write_base
         result["store_and_demote_ratio"] = result["store_and_demote_GBps"] / write_base
         result["read_ratio"] = result["tier_read_GBps"] / read_base
         result["restart"] = [restart(directory, n) for n in restarts]

@@ -3,10 +3,8 @@ one per thread, aligned and reused."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from kvtierd.fs_format import ALIGN
-from kvtierd.fs_staging import StagingBuffers, ThreadBuffers
+from kvtierd.fs_staging import StagingBuffers
 
 
 def test_buffers_are_aligned_reused_and_bounded():
@@ -26,16 +24,3 @@ def test_buffers_are_aligned_reused_and_bounded():
     staging.give_back(big)
     assert (staging.queued, staging.kept) == (0, 3 * 8192)
     assert staging.take(2 * 8192).ctypes.data == big.ctypes.data
-
-
-def test_thread_buffers_are_per_thread_aligned_and_reused():
-    buffers = ThreadBuffers()
-    first = buffers.get(8192)
-    assert first.ctypes.data % ALIGN == 0 and len(first) == 8192
-    assert buffers.get(4096).ctypes.data == first.ctypes.data  # smaller: the same memory
-    bigger = buffers.get(3 * 8192)  # larger: replaced
-    assert len(bigger) == 3 * 8192 and bigger.ctypes.data % ALIGN == 0
-    assert buffers.get(8192).ctypes.data == bigger.ctypes.data
-    with ThreadPoolExecutor(1) as pool:
-        other = pool.submit(buffers.get, 8192).result()
-    assert other.ctypes.data != bigger.ctypes.data  # another thread: its own buffer

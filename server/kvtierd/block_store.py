@@ -272,16 +272,6 @@ class BlockStore:
         lease.blocks.extend(more)
         return lease
 
-    def hold(self, blocks: list[Block]) -> Hold:
-        """Pin committed blocks for the daemon itself (a write to disk reading their pages): the hold
-        belongs to no session and never expires; end it with `unhold`."""
-        hold = Hold(next(self._ids), "", blocks[0].namespace, blocks, float("inf"))
-        self._pin(hold.slots)
-        return hold
-
-    def unhold(self, hold: Hold) -> None:
-        self._unpin(hold.slots)
-
     def note_loaded(self, lease: Lease) -> None:
         lease.namespace.counters.loaded_blocks += len(lease.blocks)
 

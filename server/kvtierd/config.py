@@ -73,7 +73,9 @@ class Config:
     )
     fs_direct_io: bool = _option(False, "Use O_DIRECT for block files where the filesystem allows it.", _parse_bool)
     fs_queue_size: int = _option(
-        1 << 30, "Most bytes of evicted blocks waiting to be written to disk; later victims are not demoted.", parse_size
+        1 << 30,
+        "Most bytes of blocks copied out of the pool and waiting to be written to disk; later ones are not written.",
+        parse_size,
     )
     fs_index_interval: float = _option(
         30.0, "Seconds between rewrites of the fs tier's index file (while it changes; also on shutdown).", _parse_seconds

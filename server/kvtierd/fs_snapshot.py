@@ -9,9 +9,10 @@ Why an equal mtime means the same names: any create, rename or unlink in a direc
 the current time. The mtimes are taken BEFORE the hashes are copied from the index, so a change after
 the stat leaves a newer mtime. A directory modified less than RACY_SECONDS before the stat is not
 recorded (the clock's coarse tick could give a change just after the stat the same mtime), and neither
-is one with a block write or commit in flight (it holds a temporary file, or a rename not yet made
-durable). So a recorded directory held exactly the recorded names when the hashes were copied, all of
-them durable; a crash that undoes later changes also restores an older mtime. A file that is gone or
+is one with a block write in flight (it may hold a temporary file). The tier fsyncs the directories
+renamed into after the hashes are copied and before the file is written. So a recorded directory
+held exactly the recorded names when the hashes were copied, all of them durable; a crash that undoes
+later changes also restores an older mtime. A file that is gone or
 bad though named in the index file is caught like any other: every read verifies.
 """
 
@@ -22,6 +23,7 @@ import os
 import secrets
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -55,13 +57,13 @@ def directory_mtimes(root: Path, digests: list[str], fanout: list[str]) -> Mtime
     return mtimes
 
 
-def write_index_file(root: Path, mtimes: Mtimes, hashes: dict[str, list[bytes]], fanout: list[str]) -> None:
+def write_index_file(root: Path, mtimes: Mtimes, hashes: dict[str, list[bytes]], fanout_of: Callable[[bytes], str]) -> None:
     """Record the hashes of the directories in `mtimes` (written atomically: temporary, fsync, rename)."""
     namespaces = {}
     for digest, recorded in mtimes.items():
         by_directory: dict[str, list[bytes]] = defaultdict(list)
         for block_hash in hashes.get(digest, ()):
-            by_directory[fanout[block_hash[0]]].append(block_hash)
+            by_directory[fanout_of(block_hash)].append(block_hash)
         namespaces[digest] = {name: [mtime, b"".join(by_directory[name])] for name, mtime in recorded.items()}
     payload = msgpack.packb({"v": _VERSION, "ns": namespaces})
     temporary = root / f"{INDEX_FILE}.{secrets.token_hex(6)}.tmp"

@@ -1,19 +1,17 @@
 """Staging buffers: aligned buffers that hold blocks' bytes until their files are written, reused.
 
-StagingBuffers serve demotion: evicted blocks' bytes wait in them until written, reused from one
-eviction to the next. ThreadBuffers serve write-through: one buffer per I/O thread, into which the
-thread copies a held block's pool pages before writing its file.
+Demoted and written-through blocks' bytes wait in them until written, reused from one write to the
+next.
 
 Reuse matters because first-touching fresh memory is slow (page faults, and in a VM the host backing
 the guest's pages: 1-2 s per GiB measured on a 2-core VM, slower than the disk), while copying into
 memory touched before runs at memcpy speed. StagingBuffers are kept by size; `queued` (buffers in use)
 plus `kept` (free buffers) stay within the limit (--fs-queue-size), so that is the most staging memory
-demotion holds. ThreadBuffers hold one block (the largest written yet) per thread.
+the fs tier holds.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 
 import numpy as np
@@ -57,16 +55,3 @@ class StagingBuffers:
         if self.queued + self.kept + size <= self.limit:
             self._free[size].append(buffer)
             self.kept += size
-
-
-class ThreadBuffers:
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, size: int) -> np.ndarray:
-        """The calling thread's ALIGN-aligned buffer, `size` bytes long (contents undefined); it is
-        replaced by a larger one when a larger size is asked."""
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None or len(buffer) < size:
-            buffer = self._local.buffer = aligned_empty(size)
-        return buffer[:size]

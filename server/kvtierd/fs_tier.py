@@ -1,28 +1,27 @@
 """The filesystem tier's engine: demotion, write-through, promotion and deletion, with every file
 operation on a thread pool (--fs-io-threads), so the event loop never waits on the disk.
 
-Demotion copies; it does not hold pages. BlockStore calls `on_evict` with its victims while their pages
-still hold their bytes, and hands those pages to a new reservation as soon as it returns. So `on_evict`
-copies each victim's bytes (a numpy gather on the loop, which releases the GIL: about 0.2 ms per 2 MiB
-block) into an aligned staging buffer and starts its write at once, so the disk is busy while the
-next victims are copied; the pages are free for reuse when it returns and nothing reads them later.
-Staging buffers are reused (fs_staging); their bytes waiting for the disk are bounded by
---fs-queue-size; victims beyond it are not demoted (counted as skipped).
-
-Write-through copies on the I/O threads instead: a committed block stays in the pool, so a daemon hold
-(no session, no expiry) pins it while an I/O thread copies its pages into that thread's own buffer
-(fs_staging.ThreadBuffers) and writes the file from there; the hold ends when the write does. The copy
-(about 0.3 ms per 2 MiB, the GIL released) pays for itself: O_DIRECT writes straight from the pool's
-shared pages, scattered in 32 KiB pages, ran 15-20% slower than from the buffer on this VM.
+Demotion and write-through copy; they do not hold pages. BlockStore calls `on_evict` with its victims
+while their pages still hold their bytes, and hands those pages to a new reservation as soon as it
+returns; `write_through` gets blocks just committed. Both copy each block's bytes (a numpy gather on
+the loop, which releases the GIL: about 0.2 ms per 2 MiB block) into an aligned staging buffer and
+start its write at once, so the disk is busy while the next blocks are copied; nothing reads the
+pool pages later. Staging buffers are reused (fs_staging); their bytes waiting for the disk are
+bounded by --fs-queue-size; blocks beyond it are not written (counted as skipped; a write-through
+block skipped is still demoted when it is evicted). (Write-through used to copy on the I/O threads
+from held pool pages: 0.58 of dd-style writes against 0.70 for this, in alternating runs here.)
 
 Promotion reserves pool pages (a reservation that never expires, since a thread writes into its pages
 until the read returns), reads each file straight into those pages, all reads of one call in parallel,
 verifies them and commits the reservation. A block that fails (bad checksum, truncated, missing) is
 dropped from both tiers, so the prefix ends before it.
 
-A block is written to a temporary file on an I/O thread; its fsync, rename and directory fsync are
-group-committed with the other files written meanwhile (fs_commit), and it enters the index only
-after that, so the index never claims a block that a crash could lose.
+A block is written to a temporary file on an I/O thread, fsync'd there and renamed into place
+(fs_format.write_block_file), and enters the index after that, so the index never claims a block
+whose bytes a crash could lose. Its directory is fsync'd later, before the next index file names it
+(save_index): until then a power cut may undo the rename, which loses only the block. (Grouping the
+fsyncs into commit jobs, with a directory fsync each, ran slower on this VM's journal-less ext4:
+with no journal there is no commit to share, and each extra fsync writes an inode synchronously.)
 
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
@@ -36,7 +35,6 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,7 +46,6 @@ from tqdm import tqdm
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.block_store import Block, BlockStore, Namespace, Reservation
 from kvtierd.errors import KVTierError, NotFound
-from kvtierd.fs_commit import GroupCommit
 from kvtierd.fs_format import (
     FANOUT,
     TMP_SUFFIX,
@@ -57,15 +54,17 @@ from kvtierd.fs_format import (
     align_up,
     aligned_empty,
     block_path,
+    fanout_of,
+    fsync_directory,
     probe_direct_io,
     read_block,
     scan_namespace,
+    write_block_file,
     write_spec,
-    write_temporary,
 )
 from kvtierd.fs_index import FsCounters, FsEntry, FsIndex
 from kvtierd.fs_snapshot import INDEX_FILE, directory_mtimes, read_index_file, write_index_file
-from kvtierd.fs_staging import StagingBuffers, ThreadBuffers
+from kvtierd.fs_staging import StagingBuffers
 from kvtierd.shm_pool import SharedPool
 
 log = logging.getLogger("kvtierd.fs")
@@ -76,7 +75,6 @@ _PROMOTER = "kvtierd-fs-promotion"  # owner of promotion reservations (no sessio
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 Key = tuple[str, bytes]
-Source = Callable[[], list[memoryview]]  # a block's bytes to write, as segments (called on an I/O thread)
 
 
 @dataclass(frozen=True)
@@ -121,14 +119,12 @@ class FsTier:
         self.health = FsHealth()
         self.direct = False
         self.staging = StagingBuffers(settings.queue_bytes)
-        self.thread_buffers = ThreadBuffers()
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
-        self.sync_executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-sync")  # commits' fsyncs
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
-        self.commits: GroupCommit[_Write] = GroupCommit(self._run, self._committed, self.sync_executor.map)
+        self._unsynced: set[Path] = set()  # fan-out directories with renames not yet fsync'd
         self._saved_changes = -1  # index.changes when the index file was last written
 
     # ------------------------------------------------------------------ start and stop
@@ -190,7 +186,6 @@ class FsTier:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
         await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.sync_executor.shutdown(wait=False)  # a commit job still running finishes its fsyncs
 
     async def keep_index_file(self) -> None:
         """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
@@ -200,7 +195,9 @@ class FsTier:
 
     async def save_index(self) -> None:
         """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
-        mtimes are taken first, then those with writes in flight are left out, then the hashes copied."""
+        mtimes are taken first, then those with writes in flight are left out, then the hashes copied,
+        then the directories renamed into since the last index file are fsync'd, so every name the file
+        records is durable."""
         changes = self.index.changes
         if changes == self._saved_changes:
             return
@@ -208,9 +205,15 @@ class FsTier:
         try:
             mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
             for ns_id, block_hash in self._writes:
-                mtimes.get(ns_id, {}).pop(FANOUT[block_hash[0]], None)
+                mtimes.get(ns_id, {}).pop(fanout_of(block_hash), None)
             hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
-            await self._run(write_index_file, self.root, mtimes, hashes, FANOUT)
+            unsynced, self._unsynced = self._unsynced, set()
+            try:
+                await self._run(_fsync_directories, unsynced)
+            except OSError:
+                self._unsynced |= unsynced
+                raise
+            await self._run(write_index_file, self.root, mtimes, hashes, fanout_of)
         except OSError as exc:
             log.warning("cannot write the fs index file", extra={"reason": str(exc)})
             return
@@ -300,93 +303,66 @@ class FsTier:
             if self._wanted(block.namespace, block.hash):
                 groups[block.namespace].append(block)
         for ns, blocks in groups.items():
-            if self.health.paused:
-                self.health.skipped["paused"] += len(blocks)
-                continue
-            stride = align_up(ns.block_bytes)
-            room = self.staging.room(stride)
-            if room < len(blocks):
-                self.health.skipped["queue_full"] += len(blocks) - room
-                blocks = blocks[:room]
-            checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
-            for block, checksum in zip(blocks, checksums, strict=True):  # each write starts once its copy is made
-                buffer = self.staging.take(stride)
-                page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
-                self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
-                self._write(ns, block.hash, partial(_whole, buffer), checksum, partial(self.staging.give_back, buffer))
+            self._stage_and_write(ns, blocks)
 
     def write_through(self, ns: Namespace, blocks: list[Block]) -> None:
-        """With --fs-write-through: write newly committed blocks to disk (each held until written)."""
-        if not self.settings.write_through:
-            return
-        live = [b for b in blocks if ns.blocks.get(b.hash) is b and self._wanted(ns, b.hash)]
-        if self.health.paused:
-            self.health.skipped["paused"] += len(live)
-            return
-        for block in live:
-            hold = self.store.hold([block])
-            copy = partial(self._copy_held, np.frombuffer(block.pages, dtype="<u4").reshape(1, -1), ns.block_bytes)
-            checksum = int(self.store.checksum[block.slot])
-            self._write(ns, block.hash, copy, checksum, partial(self.store.unhold, hold))
+        """With --fs-write-through: write newly committed blocks to disk."""
+        if self.settings.write_through:
+            self._stage_and_write(ns, [b for b in blocks if ns.blocks.get(b.hash) is b and self._wanted(ns, b.hash)])
 
-    def _copy_held(self, page_ids: np.ndarray, block_bytes: int) -> list[memoryview]:
-        """On an I/O thread: a held block's bytes, copied from its pool pages into this thread's buffer."""
-        buffer = self.thread_buffers.get(align_up(block_bytes))
-        self.pool.view.read_blocks(page_ids, block_bytes, out=buffer[:block_bytes].reshape(1, -1))
-        return [memoryview(buffer)]
+    def _stage_and_write(self, ns: Namespace, blocks: list[Block]) -> None:
+        """Copy each block's bytes out of the pool into a staging buffer and start its write."""
+        if self.health.paused:
+            self.health.skipped["paused"] += len(blocks)
+            return
+        stride = align_up(ns.block_bytes)
+        room = self.staging.room(stride)
+        if room < len(blocks):
+            self.health.skipped["queue_full"] += len(blocks) - room
+            blocks = blocks[:room]
+        checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
+        for block, checksum in zip(blocks, checksums, strict=True):  # each write starts once its copy is made
+            victims = self.index.reserve(ns.block_bytes)
+            if victims is None:
+                self.health.skipped["tier_full"] += 1
+                continue
+            buffer = self.staging.take(stride)
+            page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
+            self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
+            job = _Write(ns, block.hash, time.time())
+            self._writes[(ns.id, block.hash)] = job
+            future = self._run(self._write_file, job, checksum, buffer, [self._path(v) for v in victims])
+            future.add_done_callback(partial(self._written, job, buffer))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
 
-    def _write(self, ns: Namespace, block_hash: bytes, source: Source, checksum: int, done: Callable) -> None:
-        """Write a block's file on an I/O thread, from the segments `source` returns there; `done` runs
-        (on the loop) once its bytes are no longer needed."""
-        victims = self.index.reserve(ns.block_bytes)
-        if victims is None:
-            self.health.skipped["tier_full"] += 1
-            done()
-            return
-        job = _Write(ns, block_hash, time.time())
-        self._writes[(ns.id, block_hash)] = job
-        future = self._run(self._write_file, job, checksum, source, [self._path(v) for v in victims])
-        future.add_done_callback(partial(self._written, job, done))
-
-    def _write_file(self, job: _Write, checksum: int, source: Source, evicted: list[Path]) -> Path:
+    def _write_file(self, job: _Write, checksum: int, buffer: np.ndarray, evicted: list[Path]) -> None:
         _unlink_all(evicted)  # first, so the files on disk never exceed --fs-size
         ns = job.namespace
         if ns.id not in self._spec_written:
             write_spec(self.root, ns.spec)
             self._spec_written.add(ns.id)
         path = self._path_of(ns.id, job.hash)
-        return write_temporary(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, source(), self.direct)
+        write_block_file(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, [memoryview(buffer)], self.direct)
 
-    def _written(self, job: _Write, done: Callable, future: asyncio.Future) -> None:
-        """The block's temporary file is complete (or failed): its bytes are no longer needed; once the
-        group commit made it durable under its name, `_committed` indexes it."""
-        done()
+    def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
+        """The block's file is durable under its name (or its write failed): its staging buffer goes
+        back, and the block is indexed unless it was deleted meanwhile."""
+        self.staging.give_back(buffer)
+        ns = job.namespace
+        del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
-        if exc is None:
-            self.commits.add(future.result(), self._path_of(job.namespace.id, job.hash), job)
-            return
-        del self._writes[(job.namespace.id, job.hash)]
-        self.index.unreserve(job.namespace.block_bytes)
-        self._write_failed(exc)
-
-    def _committed(self, jobs: list[_Write], exc: BaseException | None) -> None:
-        if exc is not None:
-            self._write_failed(exc)
-        dropped = []
-        for job in jobs:
-            ns = job.namespace
-            del self._writes[(ns.id, job.hash)]
-            if exc is not None or job.cancelled:  # not indexed: its file goes
-                self.index.unreserve(ns.block_bytes)
-                dropped.append(self._path_of(ns.id, job.hash))
+        if exc is not None or job.cancelled:
+            self.index.unreserve(ns.block_bytes)
+            if exc is not None:
+                self._write_failed(exc)
             else:
-                self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
-                self.index.counters[ns.id].stored_blocks += 1
-        if dropped:
-            self._run(_unlink_all, dropped)
+                self._run(_unlink, self._path_of(ns.id, job.hash))
+            return
+        self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
+        self.index.counters[ns.id].stored_blocks += 1
+        self._unsynced.add(self._path_of(ns.id, job.hash).parent)
 
     def _write_failed(self, exc: BaseException) -> None:
         self.health.write_errors += 1
@@ -473,15 +449,19 @@ class FsTier:
         return future
 
 
-def _whole(buffer: np.ndarray) -> list[memoryview]:
-    return [memoryview(buffer)]
-
-
 def _unlink(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("cannot remove fs block file", extra={"path": str(path), "reason": str(exc)})
+
+
+def _fsync_directories(directories: set[Path]) -> None:
+    for directory in directories:
+        try:
+            fsync_directory(directory)
+        except FileNotFoundError:  # its namespace was cleared meanwhile
+            pass
 
 
 def _unlink_all(paths: list[Path]) -> None:

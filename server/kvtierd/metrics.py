@@ -100,13 +100,10 @@ def _fs_metrics(fs: FsTier, counters: FsCounters):
     for reason in ("paused", "queue_full", "tier_full"):
         skipped.add_metric([reason], health.skipped[reason])
     yield skipped
-    yield CounterMetricFamily(
-        "kvtierd_fs_commits",
-        "Group commits: jobs that fsync'd, renamed and directory-fsync'd the block files written since the last.",
-        value=fs.commits.commits,
-    )
     yield GaugeMetricFamily("kvtierd_fs_stores_paused", "1 while writes to disk are paused after a failure.", value=health.paused)
-    yield GaugeMetricFamily("kvtierd_fs_queue_bytes", "Bytes of evicted blocks waiting to be written.", value=fs.staging.queued)
+    yield GaugeMetricFamily(
+        "kvtierd_fs_queue_bytes", "Bytes of blocks copied out of the pool and waiting to be written.", value=fs.staging.queued
+    )
 
 
 class Metrics:
