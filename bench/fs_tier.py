@@ -35,6 +35,7 @@ python bench/fs_tier.py [--dir DIR] [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -46,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from common import start_daemon, stop_daemon, write_result  # isort: skip
@@ -54,6 +56,7 @@ from blocks import chain_hashes, contents, spec  # noqa: E402
 
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
+from kvtier.v1 import kvtier_pb2_grpc as pb_grpc  # noqa: E402
 from kvtierd.fs_format import aligned_empty, block_path, write_block_file, write_spec  # noqa: E402
 from kvtierd.namespace import namespace_digest  # noqa: E402
 
@@ -144,8 +147,15 @@ def _read_piece(fd: int, targets: list[memoryview], i: int) -> int:
     return os.preadv(fd, [targets[i % len(targets)]], i * BLOCK)
 
 
+@functools.cache
+def admin_stub(address: str) -> pb_grpc.KVTierAdminStub:
+    """One channel per daemon for the polls: a new connection per poll (daemon.admin) costs both
+    processes CPU that the tier's own threads then lack."""
+    return pb_grpc.KVTierAdminStub(grpc.insecure_channel(address))
+
+
 def fs_stats(daemon) -> pb.TierStats:
-    return next(t for t in daemon.admin("GetStats").tiers if t.tier == "fs")
+    return next(t for t in admin_stub(daemon.address).GetStats(pb.GetStatsRequest(), timeout=10).tiers if t.tier == "fs")
 
 
 def wait_stored(daemon, blocks: int) -> pb.TierStats:
@@ -301,7 +311,8 @@ def streaming(directory: Path, data: np.ndarray, count: int, threads: int, clien
 
 def skipped_blocks(daemon) -> int:
     """Blocks the tier did not write (kvtierd_fs_skipped_blocks_total, all reasons)."""
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
+    port = admin_stub(daemon.address).GetInfo(pb.GetInfoRequest(), timeout=10).metrics_port
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     return int(sum(float(v) for v in re.findall(r"^kvtierd_fs_skipped_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)))
 
 
