@@ -6,8 +6,8 @@ Layout under --fs-path (every component is our own hex, so no client string can 
     <digest>/<h>/<hash hex>.kvb     one block; h is the hash's first hex digit (16 fan-out dirs)
 
 Few fan-out directories: ext4 places a file's data near its directory, so files spread over 256
-directories were written to scattered places on the disk, and a burst of them took 27% longer than
-with 16 (alternating rounds on a virtio disk). 16 still keeps a million blocks to 62,500 names per
+directories were written to scattered places on the disk, and a burst of them took about a third
+longer than with 16 (alternating rounds on a virtio disk). 16 still keeps a million blocks to 62,500 names per
 directory.
 
 A block file is b"KVTB", a little-endian uint32 header length, the msgpack header (format version,
