@@ -58,7 +58,7 @@ from blocks import chain_hashes, contents, spec  # noqa: E402
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc  # noqa: E402
-from kvtierd.fs_format import aligned_empty, block_path, write_block_file, write_spec  # noqa: E402
+from kvtierd.fs_format import aligned_empty, block_path, fsync_directory, write_block_file, write_spec  # noqa: E402
 from kvtierd.namespace import namespace_digest  # noqa: E402
 
 BLOCK = 2 << 20
@@ -89,7 +89,7 @@ def baseline(directory: Path, data: np.ndarray, total: int, threads: int) -> dic
     with ThreadPoolExecutor(threads) as pool:
         started = time.perf_counter()
         list(pool.map(partial(_write_file, files), range(len(pieces)), [piece for _, piece in pieces]))
-        _fsync_directory(files)
+        fsync_directory(files)
         result["files_write_GBps"] = total / (time.perf_counter() - started) / GB
     shutil.rmtree(files)
     return result
@@ -140,12 +140,6 @@ def _write_file(directory: Path, i: int, piece: memoryview) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    os.fsync(fd)
-    os.close(fd)
 
 
 def _write_piece(fd: int, piece: tuple[int, memoryview]) -> int:

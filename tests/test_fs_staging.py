@@ -1,5 +1,4 @@
-"""Staging buffers: demotion's aligned, reused, and never more than the queue limit in all; write-through's
-one per thread, aligned and reused."""
+"""Staging buffers (demotion and write-through): aligned, reused, and never more than the queue limit in all."""
 
 from __future__ import annotations
 

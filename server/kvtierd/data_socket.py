@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -44,22 +43,17 @@ class _CallContext:
 
 
 class DataSocketServer:
-    def __init__(self, service, path: Path, mode: int, max_message_bytes: int) -> None:
+    def __init__(self, service, path: Path, max_message_bytes: int) -> None:
         self.service = service
         self.path = path
-        self.mode = mode
         self.max_message_bytes = max_message_bytes
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._ids = itertools.count(1)
 
     async def start(self) -> None:
-        previous_umask = os.umask(0o777 & ~self.mode)  # born with its final mode, as the gRPC socket
-        try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        finally:
-            os.umask(previous_umask)
-        os.chmod(self.path, self.mode)
+        """Create the socket (the caller sets the umask that gives it its mode)."""
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
 
     def close(self) -> None:
         if self._server is not None:

@@ -7,8 +7,8 @@ Layout under --fs-path (every component is our own hex, so no client string can 
 
 Few fan-out directories: ext4 places a file's data near its directory, so files spread over 256
 directories were written to scattered places on the disk, and a burst of them took about a third
-longer than with 16 (alternating rounds on a virtio disk). 16 still keeps a million blocks to 62,500 names per
-directory.
+longer than with 16 (alternating rounds on a virtio disk). 16 still keeps a million blocks to 62,500
+names per directory.
 
 A block file is b"KVTB", a little-endian uint32 header length, the msgpack header (format version,
 namespace digest, hash, length, xxh3-64 of the bytes, kvtier checksum, created time, data offset),
@@ -100,16 +100,12 @@ def fanout_of(block_hash: bytes) -> str:
     return FANOUT[block_hash[0] >> 4]
 
 
-def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(path, flags | os.O_CLOEXEC)
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_directory(path: Path) -> None:
-    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def _trim(segments: Sequence[memoryview], total: int) -> list[memoryview]:

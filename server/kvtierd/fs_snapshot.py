@@ -12,8 +12,8 @@ recorded (the clock's coarse tick could give a change just after the stat the sa
 is one with a block write in flight (it may hold a temporary file). The tier fsyncs the directories
 renamed into after the hashes are copied and before the file is written. So a recorded directory
 held exactly the recorded names when the hashes were copied, all of them durable; a crash that undoes
-later changes also restores an older mtime. A file that is gone or
-bad though named in the index file is caught like any other: every read verifies.
+later changes also restores an older mtime. A file that is gone or bad though named in the index
+file is caught like any other: every read verifies.
 """
 
 from __future__ import annotations

@@ -460,7 +460,7 @@ def _fsync_directories(directories: set[Path]) -> None:
     for directory in directories:
         try:
             fsync_directory(directory)
-        except FileNotFoundError:  # its namespace was cleared meanwhile
+        except FileNotFoundError:  # removed by hand meanwhile: nothing of it left to make durable
             pass
 
 

@@ -165,7 +165,7 @@ def build(config: Config) -> Daemon:
     server.add_insecure_port(f"unix://{config.socket}")
     if config.listen:
         server.add_insecure_port(config.listen)
-    data_socket = DataSocketServer(data, fast_path, config.socket_mode, config.max_message_size) if fast_path else None
+    data_socket = DataSocketServer(data, fast_path, config.max_message_size) if fast_path else None
     return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs, data_socket)
 
 
@@ -206,14 +206,16 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    previous_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is born with its final mode
+    previous_umask = os.umask(0o777 & ~config.socket_mode)  # the sockets are born with their final mode
     try:
         await daemon.server.start()
+        if daemon.data_socket is not None:
+            await daemon.data_socket.start()
     finally:
         os.umask(previous_umask)
     os.chmod(config.socket, config.socket_mode)
     if daemon.data_socket is not None:
-        await daemon.data_socket.start()
+        os.chmod(daemon.data_socket.path, config.socket_mode)
     for name in ("", *SERVICE_NAMES):
         await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(expire_leases(daemon))
