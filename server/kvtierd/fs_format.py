@@ -38,11 +38,11 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-import xxhash
 
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.fs_snapshot import Known
 from kvtierd.namespace import namespace_digest
+from kvtierd.xxh3 import xxh3_64
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -120,13 +120,6 @@ def _trim(segments: Sequence[memoryview], total: int) -> list[memoryview]:
     if left > 0:
         raise ValueError(f"segments hold {total - left} bytes, {total} needed")
     return out
-
-
-def _xxh3(segments: Sequence[memoryview]) -> int:
-    hasher = xxhash.xxh3_64()
-    for segment in segments:
-        hasher.update(segment)
-    return hasher.intdigest()
 
 
 def _pwritev_all(fd: int, segments: list[memoryview], offset: int) -> None:
@@ -223,7 +216,7 @@ def write_block_file(
             "ns": digest,
             "hash": block_hash,
             "len": length,
-            "xxh3": _xxh3(data),
+            "xxh3": xxh3_64(data),
             "sum": checksum,
             "created": created_at,
             "direct": direct,  # data at offset ALIGN
@@ -273,7 +266,7 @@ def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments
             raise BadBlock(f"{path}: truncated")
     finally:
         os.close(fd)
-    if _xxh3(_trim(segments, length)) != header.xxh3:
+    if xxh3_64(_trim(segments, length)) != header.xxh3:
         raise BadBlock(f"{path}: checksum mismatch")
     return header
 
