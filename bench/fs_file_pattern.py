@@ -29,12 +29,11 @@ from functools import partial
 from pathlib import Path
 
 from common import write_result  # isort: skip
+from fs_tier import BLOCK, BURST, GB, timed_write  # isort: skip
 
 from kvtierd import fs_format  # noqa: E402
 from kvtierd.xxh3 import xxh3_64  # noqa: E402
 
-BLOCK = 2 << 20
-BURST = 256
 THREADS = 16
 
 
@@ -70,17 +69,8 @@ def burst(write, root: Path) -> float:
 
 
 def dd(buffers: list, root: Path) -> float:
-    path = root / "dd.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    data = memoryview(buffers[0])[:BLOCK]
-    try:
-        started = time.perf_counter()
-        for i in range(BURST):
-            os.pwritev(fd, [data], i * BLOCK)
-        os.fsync(fd)
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
+    """fs_tier's dd burst: one file, BURST writes of 2 MiB from one thread, one fsync."""
+    return timed_write(root / "dd.bin", [(i * BLOCK, memoryview(buffers[0])[:BLOCK]) for i in range(BURST)], 1)
 
 
 def ratios(dd_seconds: list[float], seconds: list[float]) -> list[float]:
@@ -125,7 +115,7 @@ def main() -> None:
             for name, run in variants.items():
                 empty(root)
                 seconds[name].append(run(root))
-            print(round_index, {name: round(BURST * BLOCK / s[-1] / 1e9, 3) for name, s in seconds.items()}, flush=True)
+            print(round_index, {name: round(BURST * BLOCK / s[-1] / GB, 3) for name, s in seconds.items()}, flush=True)
         empty(root)
     result = {
         "dir": str(args.dir),
@@ -133,7 +123,7 @@ def main() -> None:
         "burst_blocks": BURST,
         "block_bytes": BLOCK,
         "threads": THREADS,
-        "GBps": {name: statistics.median(BURST * BLOCK / x / 1e9 for x in s) for name, s in seconds.items()},
+        "GBps": {name: statistics.median(BURST * BLOCK / x / GB for x in s) for name, s in seconds.items()},
         "ratio_to_paired_dd": {name: statistics.median(ratios(seconds["dd"], s)) for name, s in seconds.items()},
         "ratio_range": {name: [min(ratios(seconds["dd"], s)), max(ratios(seconds["dd"], s))] for name, s in seconds.items()},
     }
