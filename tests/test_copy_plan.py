@@ -97,7 +97,7 @@ def test_template_rejects_unaligned_runs():
 
 
 @pytest.mark.parametrize(("head_size", "runs"), [(32, 2), (40, 4)])
-def test_coalesced_runs_move_the_same_bytes(head_size, runs):
+def test_block_stretches_merged_move_the_same_bytes(head_size, runs):
     """The copy engines' runs: a block-outermost cache in consecutive pool pages merges blocks 3, 4
     and 5 when a block fills its pages exactly (head size 32: 3 pages), and not when its last page
     has an unused tail (head size 40); either way the runs move exactly the segments' bytes."""
@@ -110,7 +110,8 @@ def test_coalesced_runs_move_the_same_bytes(head_size, runs):
     gpu, host = template.addresses(np.array([GPU_BASE]), blocks, POOL_BASE, page_ids, PAGE)
     sizes = np.tile(template.words, len(blocks)) * WORD
 
-    src, dst, run_sizes = coalesce(gpu, host, sizes)
+    gpu_blocks, pool_blocks = template.block_stretches(np.array([GPU_BASE]), blocks, POOL_BASE, page_ids, PAGE)
+    src, dst, run_sizes = coalesce(gpu_blocks, pool_blocks, np.full(len(blocks), template.block_bytes))
 
     assert len(src) == runs
     assert run_sizes.sum() == sizes.sum()
@@ -120,3 +121,14 @@ def test_coalesced_runs_move_the_same_bytes(head_size, runs):
         for s, d, n in moves:
             pool[d - POOL_BASE : d - POOL_BASE + n] = memory[s - GPU_BASE : s - GPU_BASE + n]
     assert by_run.any() and np.array_equal(by_run, by_segment)
+
+
+def test_no_block_stretches_for_layer_major_caches_or_scattered_pages():
+    for layout, swap in (("LBHNC", False), ("BLHNC", True)):
+        _, views, _ = vllm_033_cache(layout)
+        template = SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE)
+        page_ids = np.arange(4 * 4).reshape(4, 4)  # 4 pages per block
+        assert template.block_stretches(np.array([GPU_BASE]), np.arange(4), POOL_BASE, page_ids, PAGE) is not None or not swap
+        if swap:  # block 1's pages out of order
+            page_ids[1, [1, 2]] = page_ids[1, [2, 1]]
+        assert template.block_stretches(np.array([GPU_BASE]), np.arange(4), POOL_BASE, page_ids, PAGE) is None

@@ -39,7 +39,7 @@ def pool():
 )
 def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma):
     from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
-    from kvtier.copy_plan import WORD, SegmentTemplate, coalesce  # noqa: PLC0415
+    from kvtier.copy_plan import SegmentTemplate  # noqa: PLC0415
     from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415
 
     if dma and not cuda_dma.available():
@@ -57,11 +57,14 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     stored = kv.to_pool(pool, page_ids, sources)
     with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the daemon's copy threads start
         loaded = fresh.submit(kv.from_pool, pool, page_ids, targets).result()
-
     template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
-    gpu_addresses, pool_addresses = template.addresses(bases, np.array(sources), pool.cuda_address(), page_ids, PAGE)
-    assert gpu_copy.by_dma(coalesce(pool_addresses, gpu_addresses, np.tile(template.words, n) * WORD)[2]) == dma  # the load
+    assert (gpu_copy.dma_stretches(template, bases, np.array(targets), pool.cuda_address(), page_ids, PAGE) is not None) == dma
+    # fewer blocks: 5 of 256 KiB, still one run of 1.25 MiB for the copy engines
+    few = (template, bases, np.arange(56, 61), pool.cuda_address(), page_ids[:5], PAGE)
+    assert (gpu_copy.dma_stretches(*few) is not None) == dma
+    five = gpu_copy.copy_blocks(*few, False, torch.device("cuda"), torch.cuda.Stream())
+
     torch.cuda.synchronize()
     in_pool = pool.view.read_blocks(page_ids, g.block_bytes)
     expected = torch.cat([v.view(torch.uint8).flatten(1)[:n] for v in views.values()], dim=1).cpu().numpy()
@@ -69,5 +72,7 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     for view in views.values():
         as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
         assert torch.equal(as_bytes[32 : 32 + n], as_bytes[:n])
+        assert torch.equal(as_bytes[56:61], as_bytes[:5])
     assert np.array_equal(stored, checksum.block_checksums(expected))
     assert np.array_equal(loaded, stored)
+    assert np.array_equal(five, stored[:5])

@@ -7,8 +7,9 @@ boundary and every page boundary gives segments that are contiguous on both side
 same for every block, so it is computed once per registration (`SegmentTemplate`) and a batch's
 source and destination addresses are one numpy broadcast (`SegmentTemplate.addresses`), never a
 Python loop over blocks. The copy kernel runs one program per segment; the copy engines take runs,
-segments merged where they continue each other on both sides (`coalesce`: a block-outermost cache
-whose blocks sit in consecutive pool pages gives one run per stretch of consecutive blocks).
+whole blocks that are one stretch on both sides (`block_stretches`), merged where they continue each
+other (`coalesce`: a block-outermost cache whose blocks sit in consecutive pool pages gives one run
+per stretch of consecutive blocks).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SegmentTemplate:
     page_offset: np.ndarray  # int64
     words: np.ndarray  # int64: segment length in 64-bit words
     first_word: np.ndarray  # int64: position of the segment's first word in the block (checksum weights)
+    one_run: bool  # a block is one run of GPU memory (block-outermost layouts)
 
     @classmethod
     def build(cls, runs: list[Run], page_size: int) -> SegmentTemplate:
@@ -64,6 +66,7 @@ class SegmentTemplate:
             page_offset=cuts % page_size,
             words=length // WORD,
             first_word=cuts // WORD,
+            one_run=len(runs) == 1,
         )
 
     @property
@@ -77,6 +80,17 @@ class SegmentTemplate:
         gpu = allocation_bases[self.allocation] + self.gpu_offset + block_ids.astype(np.int64)[:, None] * self.block_stride
         pool = pool_base + page_ids.astype(np.int64)[:, self.page] * page_size + self.page_offset
         return gpu.ravel(), pool.ravel()
+
+    def block_stretches(
+        self, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_base: int, page_ids: np.ndarray, page_size: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(GPU addresses, pool addresses) of whole blocks, [n_blocks] int64 each, when every block is
+        one stretch on both sides (one GPU run, its pages consecutive in the pool); None otherwise."""
+        pages = page_ids.astype(np.int64)
+        if not self.one_run or (pages[:, 1:] != pages[:, :-1] + 1).any():
+            return None
+        gpu = allocation_bases[self.allocation[0]] + self.gpu_offset[0] + block_ids.astype(np.int64) * self.block_stride[0]
+        return gpu, pool_base + pages[:, 0] * page_size
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -5,9 +5,10 @@ copy_plan) as 64-bit words between any two addresses the GPU can reach (the engi
 through CUDA IPC, or the pool registered with cudaHostRegister, read and written over PCIe) and adds
 up the checksum while the words pass through registers (about 0.92 of a bulk memcpy).
 Loads of long runs (a block-outermost KV cache whose blocks sit in consecutive pool pages, as the
-pool hands them out) go through the copy engines instead: segments that continue each other on both
-sides merge into runs, cuda_dma moves them (about 0.98 of a bulk memcpy), and the kernel then adds up
-the checksums from the engine's copy in HBM (some 2 TB/s: 0.05 ms for 170 MB). Stores stay on the
+pool hands them out) go through the copy engines instead: whole blocks, consecutive ones merged into
+runs, moved by cuda_dma (about 0.98 of a bulk memcpy) and enqueued before the kernel's tables are
+even built; the kernel then adds up the checksums from the engine's copy in HBM (0.2-0.3 ms for 170
+MB). Stores stay on the
 kernel: with four stores in flight on an H200, DMA from the GPU to the pool reached 39-49 GB/s where
 the kernel reached 50-52.
 Either way each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its
@@ -16,13 +17,15 @@ position in the block), so stores get their checksums and loads their verificati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kvtier import checksum, cuda_dma
-from kvtier.copy_plan import WORD, SegmentTemplate, coalesce
+from kvtier.copy_plan import SegmentTemplate, coalesce
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
@@ -51,7 +54,22 @@ def _copy_segments(src_addresses, dst_addresses, word_counts, first_words, parti
     tl.store(partial_sums + segment, tl.sum(total, axis=0))
 
 
-def copy_blocks(
+@dataclass
+class LaunchedCopy:
+    """A batch enqueued on its stream; `wait` returns the blocks' checksums once it is done."""
+
+    done: torch.cuda.Event
+    sums: torch.Tensor  # pinned int64 per segment, written by the stream before `done`
+    blocks: int
+
+    def wait(self) -> np.ndarray:
+        self.done.synchronize()  # this copy only: later batches on the same stream do not delay it
+        per_segment = self.sums.numpy().view(np.uint64).reshape(self.blocks, -1)
+        with np.errstate(over="ignore"):
+            return checksum.combine([per_segment.sum(axis=1, dtype=np.uint64)])
+
+
+def launch_copy(
     template: SegmentTemplate,
     allocation_bases: np.ndarray,
     block_ids: np.ndarray,
@@ -62,51 +80,71 @@ def copy_blocks(
     device: torch.device,
     stream: torch.cuda.Stream,
     after=None,
-) -> np.ndarray:
-    """Copy whole blocks between a GPU KV cache (laid out as `template` over `allocation_bases`) and
-    pool pages, on `stream` after the event `after` (if any); returns the blocks' checksums once done."""
-    gpu, pool = template.addresses(allocation_bases, np.asarray(block_ids, dtype=np.int64), pool_address, page_ids, page_size)
+) -> LaunchedCopy:
+    """Enqueue the copy of whole blocks between a GPU KV cache (laid out as `template` over
+    `allocation_bases`) and pool pages on `stream`, after the event `after` (if any; stores); returns
+    at once. A load through the copy engines starts before anything else is prepared."""
+    block_ids = np.asarray(block_ids, dtype=np.int64)
     n = len(block_ids)
-    words, first = np.tile(template.words, n), np.tile(template.first_word, n)
-    src, dst = (gpu, pool) if to_pool else (pool, gpu)
-    with torch.cuda.device(device):
+    stretches = None if to_pool else dma_stretches(template, allocation_bases, block_ids, pool_address, page_ids, page_size)
+    if stretches is not None:
+        gpu_blocks, pool_blocks = stretches
+        sizes = np.full(n, template.block_bytes, dtype=np.int64)
+        src, dst, run_sizes = coalesce(pool_blocks, gpu_blocks, sizes)
+        cuda_dma.copy(dst, src, run_sizes, stream.cuda_stream)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
         if after is not None:
             stream.wait_event(after)
-        run_src, run_dst, run_sizes = coalesce(src, dst, words * WORD)
-        if not to_pool and by_dma(run_sizes):
-            cuda_dma.copy(run_dst, run_src, run_sizes, stream.cuda_stream)
-            partial = run_segments(gpu, None, words, first, device, stream)  # what landed, read in HBM
+        gpu, pool = template.addresses(allocation_bases, block_ids, pool_address, page_ids, page_size)
+        words, first = np.tile(template.words, n), np.tile(template.first_word, n)
+        partial = torch.empty(len(gpu), dtype=torch.int64, device=device)
+        if stretches is not None:
+            run_segments(gpu, None, words, first, partial)  # what landed, read in HBM
         else:
-            partial = run_segments(src, dst, words, first, device, stream)
-        with torch.cuda.stream(stream):
-            sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
-            sums.copy_(partial, non_blocking=True)
-        stream.synchronize()
-    per_segment = sums.numpy().view(np.uint64).reshape(n, -1)
-    with np.errstate(over="ignore"):
-        return checksum.combine([per_segment.sum(axis=1, dtype=np.uint64)])
+            src, dst = (gpu, pool) if to_pool else (pool, gpu)
+            run_segments(src, dst, words, first, partial)
+        sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
+        sums.copy_(partial, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return LaunchedCopy(done, sums, n)
 
 
-def by_dma(run_sizes: np.ndarray) -> bool:
-    """Whether the copy engines load these runs faster than the kernel would."""
-    return cuda_dma.available() and int(run_sizes.sum()) >= DMA_MIN_MEAN_RUN_BYTES * len(run_sizes)
+def dma_stretches(
+    template: SegmentTemplate, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_address: int, page_ids, page_size: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(GPU, pool) addresses of the blocks when the copy engines load them faster than the kernel would:
+    every block one stretch on both sides, in runs of DMA_MIN_MEAN_RUN_BYTES or more on average."""
+    if not cuda_dma.available():
+        return None
+    stretches = template.block_stretches(allocation_bases, block_ids, pool_address, page_ids, page_size)
+    if stretches is None:
+        return None
+    runs = len(coalesce(stretches[1], stretches[0], np.full(len(block_ids), template.block_bytes, dtype=np.int64))[0])
+    return stretches if template.block_bytes * len(block_ids) >= DMA_MIN_MEAN_RUN_BYTES * runs else None
 
 
-def run_segments(
-    src: np.ndarray,
-    dst: np.ndarray | None,
-    words: np.ndarray,
-    first_words: np.ndarray,
-    device: torch.device,
-    stream: torch.cuda.Stream,
-) -> torch.Tensor:
-    """Launch the kernel on `stream` over segments at src[i] (addresses, int64): copies them to dst[i]
-    unless dst is None, and returns the per-segment partial checksums (int64 on the device, ready
-    when the stream reaches this point)."""
+def copy_blocks(*args, **kwargs) -> np.ndarray:
+    """`launch_copy` and wait: the blocks' checksums once the copy is done."""
+    return launch_copy(*args, **kwargs).wait()
+
+
+def compile_kernel() -> None:
+    """Compile both forms of the copy kernel (a second or two each, once per process) by running them
+    over one word of the current device's memory."""
+    word = torch.zeros(1, dtype=torch.int64, device="cuda")
+    address = np.array([word.data_ptr()], dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    for dst in (address, None):
+        run_segments(address, dst, one, one, torch.empty(1, dtype=torch.int64, device="cuda"))
+    torch.cuda.current_stream().synchronize()
+
+
+def run_segments(src: np.ndarray, dst: np.ndarray | None, words: np.ndarray, first_words: np.ndarray, out: torch.Tensor) -> None:
+    """Launch the kernel on the current stream over segments at src[i] (addresses, int64): copies them
+    to dst[i] unless dst is None, and writes the per-segment partial checksums into `out` (int64 on
+    the device, ready when the stream reaches this point)."""
     copy = dst is not None
-    with torch.cuda.stream(stream):
-        table = torch.from_numpy(np.stack([src, dst if copy else src, words, first_words])).pin_memory()
-        table = table.to(device, non_blocking=True)
-        partial = torch.empty(len(src), dtype=torch.int64, device=device)
-        _copy_segments[(len(src),)](table[0], table[1], table[2], table[3], partial, STEP=WORDS_PER_STEP, COPY=copy, num_warps=4)
-    return partial
+    table = torch.from_numpy(np.stack([src, dst if copy else src, words, first_words])).pin_memory()
+    table = table.to(out.device, non_blocking=True)
+    _copy_segments[(len(src),)](table[0], table[1], table[2], table[3], out, STEP=WORDS_PER_STEP, COPY=copy, num_warps=4)
