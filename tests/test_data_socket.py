@@ -4,10 +4,12 @@ messages, handlers, statuses and metrics; refused frames never take the daemon d
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 import stat
 import struct
+import threading
 import urllib.request
 from dataclasses import replace
 
@@ -17,8 +19,9 @@ import pytest
 from blocks import spec
 
 from kvtier.client import KVTierClient
-from kvtier.data_socket import REQUEST_HEADER, RESPONSE_HEADER
+from kvtier.data_socket import REQUEST_HEADER, RESPONSE_HEADER, DataSocket
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.data_socket import DataSocketServer
 
 BLOCK = 4096
 
@@ -109,3 +112,44 @@ def test_without_the_data_socket_calls_go_over_grpc(start_daemon):
             data = np.full((1, BLOCK), 7, dtype=np.uint8)
             assert client.store(ns, [b"k" * 32], data) == 1
             assert np.array_equal(client.load(ns, [b"k" * 32]), data)
+
+
+class _AnswersFromAThread:
+    """Handlers that answer the way a GPU load does: from another thread, before they end."""
+
+    async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
+        size = request.lease_id
+        await asyncio.to_thread(context.answer_now, pb.LoadResponse(block_count=size, data=b"x" * size))
+        if size == 3:
+            await context.abort(grpc.StatusCode.INTERNAL, "refused after the answer went out")
+        return pb.LoadResponse(block_count=0)  # dropped: the call has its answer
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
+        return pb.LookupResponse(hit_count=len(request.hashes))
+
+
+def test_an_answer_sent_from_another_thread_before_the_handler_ends_is_the_calls_only_answer(tmp_path):
+    """One frame per call whatever the handler does after answering, and an answer larger than the
+    socket takes at once arrives whole (its rest through the event loop)."""
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    server = DataSocketServer(_AnswersFromAThread(), tmp_path / "data", 64 << 20)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result()
+    client = DataSocket(tmp_path / "data", timeout=10)
+    try:
+        for size in (5, 3, 8 << 20):
+            answer = client.call("Load", pb.LoadRequest(lease_id=size))
+            assert answer.block_count == size and answer.data == b"x" * size
+            assert client.call("Lookup", pb.LookupRequest(hashes=b"abc")).hit_count == 3  # the framing holds
+    finally:
+        client.close()
+        asyncio.run_coroutine_threadsafe(_closed(server), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join()
+        loop.close()
+
+
+async def _closed(server: DataSocketServer) -> None:
+    server.close()
+    await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)

@@ -4,6 +4,8 @@ Each call goes to the same DataService handler as its gRPC twin, through the sam
 wrapper (timing metrics, error statuses, log lines); a refused call answers its gRPC status code
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
+A handler may answer before it ends, from any thread (`answer_now`: a GPU load answers from its copy
+thread the moment the bytes are in place, and releases its blocks after).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from pathlib import Path
 
 import grpc
@@ -30,16 +33,38 @@ class _Refused(Exception):
 
 
 class _CallContext:
-    """What `rpc.unary` needs of a gRPC context: the peer, and abort (here: raise)."""
+    """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), and `answer_now`."""
 
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, transport: asyncio.WriteTransport) -> None:
         self._peer = peer
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self.answered = False
 
     def peer(self) -> str:
         return self._peer
 
     async def abort(self, code: grpc.StatusCode, details: str):
         raise _Refused(code, details)
+
+    def answer_now(self, response) -> None:
+        """Send the call's answer at once, from any thread; the handler's own result is then dropped.
+        Nothing else writes to the connection during a call (one call at a time, and the client has
+        read the previous answer before asking again), so bytes the socket does not take at once
+        can follow through the event loop."""
+        if self._transport.is_closing() or self._transport.get_write_buffer_size():
+            return  # the handler's result is answered as usual
+        body = response.SerializeToString()
+        frame = RESPONSE_HEADER.pack(len(body), _OK) + body
+        try:
+            sent = os.write(self._transport.get_extra_info("socket").fileno(), frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # the client went away: the event loop notices
+        if sent < len(frame):
+            self._loop.call_soon_threadsafe(self._transport.write, frame[sent:])
+        self.answered = True
 
 
 class DataSocketServer:
@@ -74,15 +99,17 @@ class DataSocketServer:
                     log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
                     await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
                     return  # its bytes were not read: the connection cannot go on
-                status, body = await self._call(method, await reader.readexactly(length), peer)
-                await _answer(writer, status, body)
+                context = _CallContext(peer, writer.transport)
+                status, body = await self._call(method, await reader.readexactly(length), context)
+                if not context.answered:
+                    await _answer(writer, status, body)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (between calls, or in the middle of one)
         finally:
             self._writers.discard(writer)
             writer.close()
 
-    async def _call(self, method: str, payload: bytes, peer: str) -> tuple[int, bytes]:
+    async def _call(self, method: str, payload: bytes, context: _CallContext) -> tuple[int, bytes]:
         if method not in MESSAGES:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary KVTier method {method!r}".encode()
         try:
@@ -90,7 +117,7 @@ class DataSocketServer:
         except DecodeError:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"malformed {method} request".encode()
         try:
-            response = await getattr(self.service, method)(request, _CallContext(peer))
+            response = await getattr(self.service, method)(request, context)
         except _Refused as refused:
             return refused.code.value[0], refused.details.encode()
         return _OK, response.SerializeToString()
