@@ -191,10 +191,12 @@ class DataService(pb_grpc.KVTierServicer):
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
         if registration is not None:
-            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc.device_block_ids)
+            answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
+            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc.device_block_ids, answer_now)
         return self._load_inline(session.id, lease)
 
-    async def _load_cuda(self, session_id: str, lease: Lease, registration, device_block_ids) -> pb.LoadResponse:
+    async def _load_cuda(self, session_id: str, lease: Lease, registration, device_block_ids, answer_now) -> pb.LoadResponse:
+        """Copy, verify, answer (from the copy thread when `answer_now` is given), then release the lease."""
         ns = lease.namespace
         try:
             count = len(lease.blocks)
@@ -203,15 +205,22 @@ class DataService(pb_grpc.KVTierServicer):
             targets = np.asarray(device_block_ids[:count], dtype=np.int64)
             registration.check_blocks(targets)
             expected = self.store.checksum[lease.slots]
+            response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
+
+            def verify(copied: np.ndarray) -> np.ndarray:  # on the copy thread, the moment the bytes are in place
+                bad = checksum.mismatched(copied, expected)
+                if answer_now is not None and not bad.any():
+                    answer_now(response)
+                return bad
+
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                copied = await self.gpu.load(registration, targets, pages)
+                bad = await self.gpu.load(registration, targets, pages, then=verify)
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
-            bad = checksum.mismatched(copied, expected)
             if bad.any():
                 self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
                 raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
-            return pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
+            return response
         finally:
             self.store.release(session_id, lease.id)
 

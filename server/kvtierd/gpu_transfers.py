@@ -3,8 +3,10 @@
 A registration belongs to a session: the engine worker's KV cache allocations opened through CUDA
 IPC on the device with the same UUID, the segment template of its layout, and its ready event. The
 daemon keeps one CUDA context per GPU (torch's primary context) and a few streams per GPU; each copy
-is one batch of gpu_copy (a kernel launch, or the copy engines for loads of long runs) launched and
-waited for on a worker thread, so the event loop never waits for the GPU.
+is one batch of gpu_copy (a kernel launch, or the copy engines for loads of long runs) enqueued by
+the event loop itself (a few hundred microseconds of numpy and launches, no thread hand-off
+before the bytes start moving) and waited for on a worker thread, so the event loop never waits for
+the GPU. `then` runs on that worker thread the moment the copy is done (a load answers from there).
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
 a store); loads return only when the bytes are in the engine's memory. When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -18,8 +20,10 @@ import itertools
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -30,6 +34,7 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, Permis
 log = logging.getLogger("kvtierd.gpu")
 
 STREAMS_PER_DEVICE = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -134,37 +139,41 @@ class GpuTransfers:
 
     async def store(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
         """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
-        return await self._run(registration, block_ids, page_ids, to_pool=True)
+        return await self._run(registration, block_ids, page_ids, to_pool=True, then=_same)
 
-    async def load(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
-        """Copy pool blocks into engine blocks; the checksums of what was copied (the bytes are in place)."""
-        return await self._run(registration, block_ids, page_ids, to_pool=False)
+    async def load(
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, then: Callable[[np.ndarray], T]
+    ) -> T:
+        """Copy pool blocks into engine blocks; `then(checksums of what was copied)`, called on a worker
+        thread as soon as the bytes are in place."""
+        return await self._run(registration, block_ids, page_ids, to_pool=False, then=then)
 
-    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
-        """The copy on a worker thread; the registration stays open until it has ended."""
+    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, then):
+        """Enqueue the copy here, wait for it on a worker thread; the registration stays open until it has ended."""
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.in_flight += 1
-        copy = asyncio.get_running_loop().run_in_executor(self._executor, self._copy, registration, block_ids, page_ids, to_pool)
         try:
-            return await asyncio.shield(copy)
-        except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
-            await _settled(copy)
-            raise
+            launched = self._launch(registration, block_ids, page_ids, to_pool)
+            copy = asyncio.get_running_loop().run_in_executor(self._executor, lambda: then(launched.wait()))
+            try:
+                return await asyncio.shield(copy)
+            except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
+                await _settled(copy)
+                raise
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
                 self._close(registration)
 
-    def _copy(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool) -> np.ndarray:
-        """Launch (numpy and launches, on this worker thread so the event loop keeps serving) and wait."""
+    def _launch(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
         import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
 
-        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (needs triton)
+        from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
         with self._lock:
             stream = next(self._streams[registration.device_index])
-        return copy_blocks(
+        return launch_copy(
             registration.template,
             registration.bases,
             block_ids,
@@ -202,17 +211,26 @@ class GpuTransfers:
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 
     def warm_up(self) -> None:
-        """Import torch and triton now (seconds), not in the first engine's Register."""
+        """Import torch and triton and compile the copy kernel now (seconds), not in the first engine's
+        Register or on the event loop in its first copy."""
         try:
             _cuda_torch()
         except FailedPrecondition as exc:
             log.info("cuda_ipc unavailable", extra={"reason": str(exc)})
+            return
+        from kvtier.gpu_copy import compile_kernel  # noqa: PLC0415 (needs triton)
+
+        compile_kernel()
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)  # copies in flight end before the mappings go
         for registration in list(self._registrations.values()):
             self._close(registration)
+
+
+def _same(value: np.ndarray) -> np.ndarray:
+    return value
 
 
 async def _settled(future: asyncio.Future) -> None:
