@@ -4,9 +4,10 @@ On a CUDA machine: raw pinned host<->device memcpy (the physical limit), then st
 real kvtierd for batches of 1, 16, 64 and 512 blocks of a Llama-3-8B-like layout (32 layers, 8 KV
 heads, head size 128, 16 tokens per block, bf16: 2 MiB per block) in the layer-major (LBHNC) and
 block-outermost (BLHNC) layouts, and one 170 MB prefix load end to end (one Load call: RPC, pinning,
-copy, checksum verification, release) against a raw memcpy of the same bytes. This process plays the
-engine (tests/fake_engine.py allocates its KV cache as vLLM 0.33 does). Every time is a median; a
-store or load time runs from the call to its answer. Writes bench/results/transfer_gpu.json and
+copy, checksum verification, answer; the daemon releases the blocks just after answering) against a
+raw memcpy of the same bytes. This process plays the engine (tests/fake_engine.py allocates its KV
+cache as vLLM 0.33 does). Every time is a median; a store or load time runs from the call to its
+answer (one call at a time back to back, or 4 in flight). Writes bench/results/transfer_gpu.json and
 transfer_gpu.png. Usage: python bench/transfer_gpu.py [--rounds N]
 """
 
@@ -116,6 +117,22 @@ def through_daemon(address: str, layout: str, rounds: int) -> dict:
     return result
 
 
+def daemon_gpu_mib(free_before: int) -> float:
+    """The GPU memory still missing once this process's KV caches are gone: the daemon's. A cache the
+    daemon unmapped after we dropped it comes back only when we collect it (torch's IPC bookkeeping),
+    and the daemon unmaps when it notices the session end: collect until nothing more comes back."""
+    previous, deadline = None, time.monotonic() + 10
+    while True:
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        if used == previous or time.monotonic() > deadline:
+            return used
+        previous = used
+        time.sleep(0.5)
+
+
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 10
     torch.cuda.init()
@@ -128,9 +145,7 @@ def main() -> None:
     daemon = start_daemon("--pool-size", "12GiB", "--log-level", "warning")
     try:
         layouts = {layout: through_daemon(daemon.address, layout, rounds) for layout in ("LBHNC", "BLHNC")}
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # this process's KV caches are gone: what is missing now is the daemon's
-        daemon_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        daemon_mib = daemon_gpu_mib(free_before)
     finally:
         stop_daemon(daemon)
     big = [n for n in BATCHES if n >= 64]
