@@ -35,9 +35,10 @@ class _Refused(Exception):
 class _CallContext:
     """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), and `answer_now`."""
 
-    def __init__(self, peer: str, transport: asyncio.WriteTransport) -> None:
+    def __init__(self, peer: str, transport: asyncio.WriteTransport, answer_fd: int) -> None:
         self._peer = peer
         self._transport = transport
+        self._answer_fd = answer_fd  # the connection's own duplicate: never another socket's number
         self._loop = asyncio.get_running_loop()
         self.answered = False
 
@@ -57,7 +58,7 @@ class _CallContext:
         body = response.SerializeToString()
         frame = RESPONSE_HEADER.pack(len(body), _OK) + body
         try:
-            sent = os.write(self._transport.get_extra_info("socket").fileno(), frame)
+            sent = os.write(self._answer_fd, frame)
         except BlockingIOError:
             sent = 0
         except OSError:
@@ -90,6 +91,9 @@ class DataSocketServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = f"data-socket:{next(self._ids)}"
         self._writers.add(writer)
+        # answer_now writes here from other threads; the transport may close (and the system reuse)
+        # its own descriptor meanwhile, never this one, which is closed once no call is running
+        answer_fd = os.dup(writer.get_extra_info("socket").fileno())
         try:
             while True:
                 length, name_length = REQUEST_HEADER.unpack(await reader.readexactly(REQUEST_HEADER.size))
@@ -99,7 +103,7 @@ class DataSocketServer:
                     log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
                     await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
                     return  # its bytes were not read: the connection cannot go on
-                context = _CallContext(peer, writer.transport)
+                context = _CallContext(peer, writer.transport, answer_fd)
                 status, body = await self._call(method, await reader.readexactly(length), context)
                 if not context.answered:
                     await _answer(writer, status, body)
@@ -108,6 +112,7 @@ class DataSocketServer:
         finally:
             self._writers.discard(writer)
             writer.close()
+            os.close(answer_fd)
 
     async def _call(self, method: str, payload: bytes, context: _CallContext) -> tuple[int, bytes]:
         if method not in MESSAGES:
