@@ -123,12 +123,20 @@ def test_block_stretches_merged_move_the_same_bytes(head_size, runs):
     assert by_run.any() and np.array_equal(by_run, by_segment)
 
 
-def test_no_block_stretches_for_layer_major_caches_or_scattered_pages():
-    for layout, swap in (("LBHNC", False), ("BLHNC", True)):
-        _, views, _ = vllm_033_cache(layout)
-        template = SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE)
-        page_ids = np.arange(4 * 4).reshape(4, 4)  # 4 pages per block
-        assert template.block_stretches(np.array([GPU_BASE]), np.arange(4), POOL_BASE, page_ids, PAGE) is not None or not swap
-        if swap:  # block 1's pages out of order
-            page_ids[1, [1, 2]] = page_ids[1, [2, 1]]
-        assert template.block_stretches(np.array([GPU_BASE]), np.arange(4), POOL_BASE, page_ids, PAGE) is None
+def test_block_stretches_only_for_block_outermost_caches_in_consecutive_pages():
+    _, blhnc, _ = vllm_033_cache("BLHNC")
+    _, lbhnc, _ = vllm_033_cache("LBHNC")
+    block_outermost = SegmentTemplate.build([r.run for r in block_runs(blhnc, 12)[1]], PAGE)
+    layer_major = SegmentTemplate.build([r.run for r in block_runs(lbhnc, 12)[1]], PAGE)
+    consecutive = np.arange(4 * 4).reshape(4, 4)  # 4 pages per block
+    scattered = consecutive.copy()
+    scattered[1, [1, 2]] = scattered[1, [2, 1]]  # block 1's pages out of order
+
+    def stretches(template, page_ids):
+        return template.block_stretches(np.array([GPU_BASE]), np.array([5, 6, 7, 9]), POOL_BASE, page_ids, PAGE)
+
+    gpu, pool = stretches(block_outermost, consecutive)
+    assert np.array_equal(gpu - GPU_BASE, np.array([5, 6, 7, 9]) * block_outermost.block_bytes)
+    assert np.array_equal(pool - POOL_BASE, np.array([0, 4, 8, 12]) * PAGE)
+    assert stretches(block_outermost, scattered) is None
+    assert stretches(layer_major, consecutive) is None

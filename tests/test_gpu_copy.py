@@ -37,7 +37,7 @@ def pool():
     ("layout", "pages", "dma"),
     [("BLHNC", "consecutive", True), ("BLHNC", "scattered", False), ("LBHNC", "consecutive", False)],
 )
-def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma):
+def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma, monkeypatch):
     from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
     from kvtier.copy_plan import SegmentTemplate  # noqa: PLC0415
     from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415
@@ -60,10 +60,21 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
     assert (gpu_copy.dma_stretches(template, bases, np.array(targets), pool.cuda_address(), page_ids, PAGE) is not None) == dma
-    # fewer blocks: 5 of 256 KiB, still one run of 1.25 MiB for the copy engines
-    few = (template, bases, np.arange(56, 61), pool.cuda_address(), page_ids[:5], PAGE)
-    assert (gpu_copy.dma_stretches(*few) is not None) == dma
-    five = gpu_copy.copy_blocks(*few, False, torch.device("cuda"), torch.cuda.Stream())
+    # fewer blocks: 5 of 256 KiB, still one run of 1.25 MiB for the copy engines (watched: the real
+    # driver call, counted); two batches on one stream, each waited for alone; and none at all
+    dma_calls = []
+    monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
+    stream = torch.cuda.Stream()
+
+    def launch_load(blocks: np.ndarray, pages: np.ndarray):
+        return gpu_copy.launch_copy(template, bases, blocks, pool.cuda_address(), pages, PAGE, False, buffer.device, stream)
+
+    five, one = launch_load(np.arange(56, 61), page_ids[:5]), launch_load(np.arange(61, 62), page_ids[7:8])
+    assert len(dma_calls) == (1 if dma else 0)  # one block of 256 KiB: the kernel
+    with ThreadPoolExecutor(1) as other:
+        five = other.submit(five.wait).result()
+    one = one.wait()
+    none = launch_load(np.arange(0), page_ids[:0]).wait()
 
     torch.cuda.synchronize()
     in_pool = pool.view.read_blocks(page_ids, g.block_bytes)
@@ -72,7 +83,33 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     for view in views.values():
         as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
         assert torch.equal(as_bytes[32 : 32 + n], as_bytes[:n])
-        assert torch.equal(as_bytes[56:61], as_bytes[:5])
+        assert torch.equal(as_bytes[56:61], as_bytes[:5]) and torch.equal(as_bytes[61], as_bytes[7])
     assert np.array_equal(stored, checksum.block_checksums(expected))
     assert np.array_equal(loaded, stored)
-    assert np.array_equal(five, stored[:5])
+    assert np.array_equal(five, stored[:5]) and np.array_equal(one, stored[7:8]) and len(none) == 0
+
+
+@gpu
+def test_the_warm_up_compiles_the_kernel_every_copy_runs(pool):
+    """compile_kernel leaves nothing to compile for copies of any size (the daemon launches them on its
+    event loop, which a compilation would stall for seconds)."""
+    from kvtier import gpu_copy  # noqa: PLC0415 (needs triton)
+
+    gpu_copy.compile_kernel()
+    compiled = _compiled_kernels(gpu_copy._copy_segments)
+    buffer = torch.zeros(64, dtype=torch.int64, device="cuda")
+    for n in (1, 2, 3, 8):  # rows of the address table start at every alignment an odd count gives
+        addresses = buffer.data_ptr() + 8 * np.arange(n, dtype=np.int64)
+        words, out = np.ones(n, dtype=np.int64), torch.empty(n, dtype=torch.int64, device="cuda")
+        gpu_copy.run_segments(addresses, addresses + 8 * 32, words, words, out)
+        gpu_copy.run_segments(addresses, None, words, words, out)
+    torch.cuda.synchronize()
+    assert _compiled_kernels(gpu_copy._copy_segments) == compiled
+
+
+def _compiled_kernels(kernel) -> int:
+    """How many forms of a Triton kernel this process compiled for the current device."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return len(caches[torch.cuda.current_device()][0])

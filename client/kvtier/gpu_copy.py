@@ -58,11 +58,13 @@ def _copy_segments(src_addresses, dst_addresses, word_counts, first_words, parti
 class LaunchedCopy:
     """A batch enqueued on its stream; `wait` returns the blocks' checksums once it is done."""
 
-    done: torch.cuda.Event
+    done: torch.cuda.Event | None  # None: no block, nothing enqueued
     sums: torch.Tensor  # pinned int64 per segment, written by the stream before `done`
     blocks: int
 
     def wait(self) -> np.ndarray:
+        if self.done is None:
+            return np.empty(0, dtype=np.uint64)
         self.done.synchronize()  # this copy only: later batches on the same stream do not delay it
         per_segment = self.sums.numpy().view(np.uint64).reshape(self.blocks, -1)
         with np.errstate(over="ignore"):
@@ -83,30 +85,38 @@ def launch_copy(
 ) -> LaunchedCopy:
     """Enqueue the copy of whole blocks between a GPU KV cache (laid out as `template` over
     `allocation_bases`) and pool pages on `stream`, after the event `after` (if any; stores); returns
-    at once. A load through the copy engines starts before anything else is prepared."""
+    at once. A load through the copy engines starts before anything else is prepared. Should
+    anything fail after that, the stream is drained before the error goes up (the caller may then
+    free the pages and close the mappings)."""
     block_ids = np.asarray(block_ids, dtype=np.int64)
     n = len(block_ids)
+    if n == 0:
+        return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), 0)
+    if after is not None:
+        stream.wait_event(after)
     stretches = None if to_pool else dma_stretches(template, allocation_bases, block_ids, pool_address, page_ids, page_size)
     if stretches is not None:
         gpu_blocks, pool_blocks = stretches
         sizes = np.full(n, template.block_bytes, dtype=np.int64)
         src, dst, run_sizes = coalesce(pool_blocks, gpu_blocks, sizes)
         cuda_dma.copy(dst, src, run_sizes, stream.cuda_stream)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        if after is not None:
-            stream.wait_event(after)
-        gpu, pool = template.addresses(allocation_bases, block_ids, pool_address, page_ids, page_size)
-        words, first = np.tile(template.words, n), np.tile(template.first_word, n)
-        partial = torch.empty(len(gpu), dtype=torch.int64, device=device)
-        if stretches is not None:
-            run_segments(gpu, None, words, first, partial)  # what landed, read in HBM
-        else:
-            src, dst = (gpu, pool) if to_pool else (pool, gpu)
-            run_segments(src, dst, words, first, partial)
-        sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
-        sums.copy_(partial, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            gpu, pool = template.addresses(allocation_bases, block_ids, pool_address, page_ids, page_size)
+            words, first = np.tile(template.words, n), np.tile(template.first_word, n)
+            partial = torch.empty(len(gpu), dtype=torch.int64, device=device)
+            if stretches is not None:
+                run_segments(gpu, None, words, first, partial)  # what landed, read in HBM
+            else:
+                src, dst = (gpu, pool) if to_pool else (pool, gpu)
+                run_segments(src, dst, words, first, partial)
+            sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
+            sums.copy_(partial, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+    except BaseException:
+        stream.synchronize()  # what was enqueued lands before anything it touches is freed or unmapped
+        raise
     return LaunchedCopy(done, sums, n)
 
 
@@ -131,7 +141,8 @@ def copy_blocks(*args, **kwargs) -> np.ndarray:
 
 def compile_kernel() -> None:
     """Compile both forms of the copy kernel (a second or two each, once per process) by running them
-    over one word of the current device's memory."""
+    over one word of the current device's memory (other devices load the compiled kernel, which is
+    quick)."""
     word = torch.zeros(1, dtype=torch.int64, device="cuda")
     address = np.array([word.data_ptr()], dtype=np.int64)
     one = np.ones(1, dtype=np.int64)
@@ -145,6 +156,7 @@ def run_segments(src: np.ndarray, dst: np.ndarray | None, words: np.ndarray, fir
     to dst[i] unless dst is None, and writes the per-segment partial checksums into `out` (int64 on
     the device, ready when the stream reaches this point)."""
     copy = dst is not None
-    table = torch.from_numpy(np.stack([src, dst if copy else src, words, first_words])).pin_memory()
-    table = table.to(out.device, non_blocking=True)
+    table = np.zeros((4, len(src) + len(src) % 2), dtype=np.int64)  # an even row length: every row 16-byte
+    table[:, : len(src)] = src, dst if copy else src, words, first_words  # aligned, one form of the kernel
+    table = torch.from_numpy(table).pin_memory().to(out.device, non_blocking=True)
     _copy_segments[(len(src),)](table[0], table[1], table[2], table[3], out, STEP=WORDS_PER_STEP, COPY=copy, num_warps=4)

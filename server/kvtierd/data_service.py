@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import numpy as np
@@ -13,7 +14,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
 from kvtierd.block_store import BlockStore, Lease, Namespace, until_repeat
-from kvtierd.errors import DataLoss, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.fs_tier import FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
@@ -222,7 +223,8 @@ class DataService(pb_grpc.KVTierServicer):
                 raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
             return response
         finally:
-            self.store.release(session_id, lease.id)
+            with contextlib.suppress(NotFound):  # it expired during the copy: nothing left to release
+                self.store.release(session_id, lease.id)
 
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
         ns = lease.namespace

@@ -11,6 +11,7 @@ thread the moment the bytes are in place, and releases its blocks after).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -53,8 +54,11 @@ class _CallContext:
         Nothing else writes to the connection during a call (one call at a time, and the client has
         read the previous answer before asking again), so bytes the socket does not take at once
         can follow through the event loop."""
-        if self._transport.is_closing() or self._transport.get_write_buffer_size():
-            return  # the handler's result is answered as usual
+        try:
+            if self._transport.is_closing() or self._transport.get_write_buffer_size():
+                return  # the handler's result is answered as usual
+        except RuntimeError:  # the event loop changed the write buffer while we counted it
+            return
         body = response.SerializeToString()
         frame = RESPONSE_HEADER.pack(len(body), _OK) + body
         try:
@@ -63,9 +67,10 @@ class _CallContext:
             sent = 0
         except OSError:
             return  # the client went away: the event loop notices
+        self.answered = True  # a frame has started: the handler's result must not follow it
         if sent < len(frame):
-            self._loop.call_soon_threadsafe(self._transport.write, frame[sent:])
-        self.answered = True
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutting down), and the connection with it
+                self._loop.call_soon_threadsafe(self._transport.write, frame[sent:])
 
 
 class DataSocketServer:

@@ -61,6 +61,7 @@ class GpuTransfers:
     pool_address: int
     page_size: int
     pool_registered: bool
+    kernel_error: str = ""  # why the copy kernel failed to compile at start-up (cuda_ipc is then refused)
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _executor: ThreadPoolExecutor | None = None
@@ -87,6 +88,8 @@ class GpuTransfers:
         if template.block_bytes != block_bytes:
             raise InvalidArgument(f"cuda_kv runs hold {template.block_bytes} bytes per block; the namespace says {block_bytes}")
         torch = _cuda_torch()
+        if self.kernel_error:
+            raise FailedPrecondition(f"the copy kernel did not compile: {self.kernel_error}")
         if not self.pool_registered:
             raise FailedPrecondition("the pool is not registered with CUDA (no CUDA runtime, or --cuda-register false)")
         device_index = _device_by_uuid(torch, cache.device_uuid)
@@ -155,7 +158,11 @@ class GpuTransfers:
         registration.in_flight += 1
         try:
             launched = self._launch(registration, block_ids, page_ids, to_pool)
-            copy = asyncio.get_running_loop().run_in_executor(self._executor, lambda: then(launched.wait()))
+            try:
+                copy = asyncio.get_running_loop().run_in_executor(self._executor, lambda: then(launched.wait()))
+            except BaseException:  # no thread to wait (shutting down): the copy still lands before we go on
+                launched.wait()
+                raise
             try:
                 return await asyncio.shield(copy)
             except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
@@ -220,7 +227,11 @@ class GpuTransfers:
             return
         from kvtier.gpu_copy import compile_kernel  # noqa: PLC0415 (needs triton)
 
-        compile_kernel()
+        try:
+            compile_kernel()
+        except Exception as exc:  # noqa: BLE001 (the shm transport still serves every engine)
+            self.kernel_error = str(exc)
+            log.error("cuda_ipc unavailable: the copy kernel did not compile", extra={"reason": self.kernel_error})
 
     def close(self) -> None:
         if self._executor is not None:
