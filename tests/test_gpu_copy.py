@@ -59,7 +59,7 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
         loaded = fresh.submit(kv.from_pool, pool, page_ids, targets).result()
     template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
-    assert (gpu_copy.dma_stretches(template, bases, np.array(targets), pool.cuda_address(), page_ids, PAGE) is not None) == dma
+    assert (gpu_copy.dma_runs(template, bases, np.array(targets), pool.cuda_address(), page_ids, PAGE) is not None) == dma
     # fewer blocks: 5 of 256 KiB, still one run of 1.25 MiB for the copy engines (watched: the real
     # driver call, counted); two batches on one stream, each waited for alone; and none at all
     dma_calls = []

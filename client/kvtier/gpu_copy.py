@@ -8,9 +8,8 @@ Loads of long runs (a block-outermost KV cache whose blocks sit in consecutive p
 pool hands them out) go through the copy engines instead: whole blocks, consecutive ones merged into
 runs, moved by cuda_dma (about 0.98 of a bulk memcpy) and enqueued before the kernel's tables are
 even built; the kernel then adds up the checksums from the engine's copy in HBM (0.2-0.3 ms for 170
-MB). Stores stay on the
-kernel: with four stores in flight on an H200, DMA from the GPU to the pool reached 39-49 GB/s where
-the kernel reached 50-52.
+MB). Stores stay on the kernel: with four stores in flight on an H200, DMA from the GPU to the pool
+reached 39-49 GB/s where the kernel reached 50-52.
 Either way each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its
 position in the block), so stores get their checksums and loads their verification.
 """
@@ -94,18 +93,16 @@ def launch_copy(
         return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), 0)
     if after is not None:
         stream.wait_event(after)
-    stretches = None if to_pool else dma_stretches(template, allocation_bases, block_ids, pool_address, page_ids, page_size)
-    if stretches is not None:
-        gpu_blocks, pool_blocks = stretches
-        sizes = np.full(n, template.block_bytes, dtype=np.int64)
-        src, dst, run_sizes = coalesce(pool_blocks, gpu_blocks, sizes)
-        cuda_dma.copy(dst, src, run_sizes, stream.cuda_stream)
+    runs = None if to_pool else dma_runs(template, allocation_bases, block_ids, pool_address, page_ids, page_size)
+    if runs is not None:
+        pool_runs, gpu_runs, run_sizes = runs
+        cuda_dma.copy(gpu_runs, pool_runs, run_sizes, stream.cuda_stream)
     try:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             gpu, pool = template.addresses(allocation_bases, block_ids, pool_address, page_ids, page_size)
             words, first = np.tile(template.words, n), np.tile(template.first_word, n)
             partial = torch.empty(len(gpu), dtype=torch.int64, device=device)
-            if stretches is not None:
+            if runs is not None:
                 run_segments(gpu, None, words, first, partial)  # what landed, read in HBM
             else:
                 src, dst = (gpu, pool) if to_pool else (pool, gpu)
@@ -120,18 +117,20 @@ def launch_copy(
     return LaunchedCopy(done, sums, n)
 
 
-def dma_stretches(
+def dma_runs(
     template: SegmentTemplate, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_address: int, page_ids, page_size: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(GPU, pool) addresses of the blocks when the copy engines load them faster than the kernel would:
-    every block one stretch on both sides, in runs of DMA_MIN_MEAN_RUN_BYTES or more on average."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(pool addresses, GPU addresses, sizes) of the runs the copy engines load, when they load these
+    blocks faster than the kernel would: every block one stretch on both sides, consecutive ones
+    merged, in runs of DMA_MIN_MEAN_RUN_BYTES or more on average; None otherwise."""
     if not cuda_dma.available():
         return None
     stretches = template.block_stretches(allocation_bases, block_ids, pool_address, page_ids, page_size)
     if stretches is None:
         return None
-    runs = len(coalesce(stretches[1], stretches[0], np.full(len(block_ids), template.block_bytes, dtype=np.int64))[0])
-    return stretches if template.block_bytes * len(block_ids) >= DMA_MIN_MEAN_RUN_BYTES * runs else None
+    gpu_blocks, pool_blocks = stretches
+    runs = coalesce(pool_blocks, gpu_blocks, np.full(len(block_ids), template.block_bytes, dtype=np.int64))
+    return runs if template.block_bytes * len(block_ids) >= DMA_MIN_MEAN_RUN_BYTES * len(runs[2]) else None
 
 
 def copy_blocks(*args, **kwargs) -> np.ndarray:

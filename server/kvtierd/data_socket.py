@@ -59,8 +59,7 @@ class _CallContext:
                 return  # the handler's result is answered as usual
         except RuntimeError:  # the event loop changed the write buffer while we counted it
             return
-        body = response.SerializeToString()
-        frame = RESPONSE_HEADER.pack(len(body), _OK) + body
+        frame = _frame(_OK, response.SerializeToString())
         try:
             sent = os.write(self._answer_fd, frame)
         except BlockingIOError:
@@ -133,6 +132,10 @@ class DataSocketServer:
         return _OK, response.SerializeToString()
 
 
+def _frame(status: int, body: bytes) -> bytes:
+    return RESPONSE_HEADER.pack(len(body), status) + body
+
+
 async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-    writer.write(RESPONSE_HEADER.pack(len(body), status) + body)
+    writer.write(_frame(status, body))
     await writer.drain()
