@@ -14,9 +14,19 @@ PAGE = 4096
 GPU_BASE, POOL_BASE = 1 << 40, 1 << 50  # symbolic addresses: the test maps them back to arrays
 
 
+def addresses(template: SegmentTemplate, bases: np.ndarray, block_ids, pool_base: int, page_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Where the copy kernel finds segment k of block b, [n_blocks * segments] each, block-major: GPU
+    base[allocation] + gpu_offset + b * block_stride, pool pages[b][page] * page_size + page_offset."""
+    gpu = (
+        bases[template.allocation] + template.gpu_offset + np.asarray(block_ids, dtype=np.int64)[:, None] * template.block_stride
+    )
+    pool = pool_base + np.asarray(page_ids, dtype=np.int64)[:, template.page] * PAGE + template.page_offset
+    return gpu.ravel(), pool.ravel()
+
+
 def run_segments(template: SegmentTemplate, memory: np.ndarray, pool: np.ndarray, block_ids, page_ids) -> np.ndarray:
     """What the copy kernel does, in numpy: copy every segment GPU -> pool; per-block checksums."""
-    gpu, host = template.addresses(np.array([GPU_BASE]), np.asarray(block_ids), POOL_BASE, page_ids, PAGE)
+    gpu, host = addresses(template, np.array([GPU_BASE]), block_ids, POOL_BASE, page_ids)
     n_seg = len(template.words)
     sums = np.zeros(len(block_ids), dtype=np.uint64)
     for i, (src, dst) in enumerate(zip(gpu - GPU_BASE, host - POOL_BASE, strict=True)):
@@ -107,10 +117,11 @@ def test_block_stretches_merged_move_the_same_bytes(head_size, runs):
     pages_per_block = -(-template.block_bytes // PAGE)
     page_ids = np.arange(4 * pages_per_block).reshape(4, pages_per_block)
     blocks = np.array([3, 4, 5, 9])
-    gpu, host = template.addresses(np.array([GPU_BASE]), blocks, POOL_BASE, page_ids, PAGE)
+    gpu, host = addresses(template, np.array([GPU_BASE]), blocks, POOL_BASE, page_ids)
     sizes = np.tile(template.words, len(blocks)) * WORD
 
-    gpu_blocks, pool_blocks = template.block_stretches(np.array([GPU_BASE]), blocks, POOL_BASE, page_ids, PAGE)
+    gpu_blocks = template.gpu_stretches(np.array([GPU_BASE]), blocks)
+    pool_blocks = template.pool_stretches(POOL_BASE, page_ids, PAGE)
     src, dst, run_sizes = coalesce(gpu_blocks, pool_blocks, np.full(len(blocks), template.block_bytes))
 
     assert len(src) == runs
@@ -123,7 +134,7 @@ def test_block_stretches_merged_move_the_same_bytes(head_size, runs):
     assert by_run.any() and np.array_equal(by_run, by_segment)
 
 
-def test_block_stretches_only_for_block_outermost_caches_in_consecutive_pages():
+def test_stretches_gpu_side_for_block_outermost_caches_pool_side_for_consecutive_pages():
     _, blhnc, _ = vllm_033_cache("BLHNC")
     _, lbhnc, _ = vllm_033_cache("LBHNC")
     block_outermost = SegmentTemplate.build([r.run for r in block_runs(blhnc, 12)[1]], PAGE)
@@ -132,11 +143,10 @@ def test_block_stretches_only_for_block_outermost_caches_in_consecutive_pages():
     scattered = consecutive.copy()
     scattered[1, [1, 2]] = scattered[1, [2, 1]]  # block 1's pages out of order
 
-    def stretches(template, page_ids):
-        return template.block_stretches(np.array([GPU_BASE]), np.array([5, 6, 7, 9]), POOL_BASE, page_ids, PAGE)
-
-    gpu, pool = stretches(block_outermost, consecutive)
-    assert np.array_equal(gpu - GPU_BASE, np.array([5, 6, 7, 9]) * block_outermost.block_bytes)
+    blocks = np.array([5, 6, 7, 9])
+    gpu = block_outermost.gpu_stretches(np.array([GPU_BASE]), blocks)
+    assert np.array_equal(gpu - GPU_BASE, blocks * block_outermost.block_bytes)
+    assert layer_major.gpu_stretches(np.array([GPU_BASE]), blocks) is None
+    pool = layer_major.pool_stretches(POOL_BASE, consecutive, PAGE)
     assert np.array_equal(pool - POOL_BASE, np.array([0, 4, 8, 12]) * PAGE)
-    assert stretches(block_outermost, scattered) is None
-    assert stretches(layer_major, consecutive) is None
+    assert layer_major.pool_stretches(POOL_BASE, scattered, PAGE) is None

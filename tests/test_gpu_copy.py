@@ -1,6 +1,7 @@
 """gpu_copy between a GPU KV cache and a mapped pool, as the shm fallback and the daemon run it:
-stores through the copy kernel; loads of long runs through the copy engines (then a checksum pass
-on the GPU side), of short runs through the kernel; all byte-exact with kvtier.checksum's checksums."""
+stores through the copy kernel; loads into a block-outermost cache from consecutive pool pages through
+the copy engines in chunks (then a checksum pass on the GPU side), other loads through the kernel; all
+byte-exact with kvtier.checksum's checksums, and never a kernel form the warm-up did not compile."""
 
 from __future__ import annotations
 
@@ -51,29 +52,32 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     n, per_block = 16, g.block_bytes // PAGE
     order = np.arange(POOL_PAGES) if pages == "consecutive" else np.random.default_rng(3).permutation(POOL_PAGES)
     page_ids = order[: n * per_block].reshape(n, per_block).astype(np.uint32)
-    sources, targets = list(range(n)), list(range(32, 32 + n))
     kv.record_ready()
+    gpu_copy.compile_kernel()
+    compiled = _compiled_kernels(gpu_copy._copy_blocks)
 
-    stored = kv.to_pool(pool, page_ids, sources)
+    stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback): no staging
     with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the daemon's copy threads start
-        loaded = fresh.submit(kv.from_pool, pool, page_ids, targets).result()
-    template = SegmentTemplate.build([r.run for r in kv.runs], PAGE)
+        loaded = fresh.submit(kv.from_pool, pool, page_ids, list(range(16, 16 + n))).result()
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
-    assert (gpu_copy.dma_runs(template, bases, np.array(targets), pool.cuda_address(), page_ids, PAGE) is not None) == dma
-    # fewer blocks: 5 of 256 KiB, still one run of 1.25 MiB for the copy engines (watched: the real
-    # driver call, counted); two batches on one stream, each waited for alone; and none at all
+    layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, buffer.device)
+    # a daemon's lane, taking runs of one 256 KiB block through the copy engines (watched: the real
+    # driver call, counted): 16 blocks and 5 blocks in three chunks each (14 + 1 + 1, 3 + 1 + 1), one
+    # block in one; two batches on one lane, each waited for alone; and one with no block
+    monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", g.block_bytes)
     dma_calls = []
     monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
-    stream = torch.cuda.Stream()
+    lane = gpu_copy.CopyLane.on(buffer.device)
 
     def launch_load(blocks: np.ndarray, pages: np.ndarray):
-        return gpu_copy.launch_copy(template, bases, blocks, pool.cuda_address(), pages, PAGE, False, buffer.device, stream)
+        return gpu_copy.launch_copy(layout, blocks, pool.cuda_address(), pages, False, lane)
 
+    sixteen = launch_load(np.arange(32, 48), page_ids)
     five, one = launch_load(np.arange(56, 61), page_ids[:5]), launch_load(np.arange(61, 62), page_ids[7:8])
-    assert len(dma_calls) == (1 if dma else 0)  # one block of 256 KiB: the kernel
+    assert len(dma_calls) == (3 + 3 + 1 if dma else 0)
     with ThreadPoolExecutor(1) as other:
         five = other.submit(five.wait).result()
-    one = one.wait()
+    one, sixteen = one.wait(), sixteen.wait()
     none = launch_load(np.arange(0), page_ids[:0]).wait()
 
     torch.cuda.synchronize()
@@ -82,29 +86,12 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     assert np.array_equal(in_pool, expected)
     for view in views.values():
         as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
-        assert torch.equal(as_bytes[32 : 32 + n], as_bytes[:n])
+        assert torch.equal(as_bytes[16:32], as_bytes[:n]) and torch.equal(as_bytes[32:48], as_bytes[:n])
         assert torch.equal(as_bytes[56:61], as_bytes[:5]) and torch.equal(as_bytes[61], as_bytes[7])
     assert np.array_equal(stored, checksum.block_checksums(expected))
-    assert np.array_equal(loaded, stored)
+    assert np.array_equal(loaded, stored) and np.array_equal(sixteen, stored)
     assert np.array_equal(five, stored[:5]) and np.array_equal(one, stored[7:8]) and len(none) == 0
-
-
-@gpu
-def test_the_warm_up_compiles_the_kernel_every_copy_runs(pool):
-    """compile_kernel leaves nothing to compile for copies of any size (the daemon launches them on its
-    event loop, which a compilation would stall for seconds)."""
-    from kvtier import gpu_copy  # noqa: PLC0415 (needs triton)
-
-    gpu_copy.compile_kernel()
-    compiled = _compiled_kernels(gpu_copy._copy_segments)
-    buffer = torch.zeros(64, dtype=torch.int64, device="cuda")
-    for n in (1, 2, 3, 8):  # rows of the address table start at every alignment an odd count gives
-        addresses = buffer.data_ptr() + 8 * np.arange(n, dtype=np.int64)
-        words, out = np.ones(n, dtype=np.int64), torch.empty(n, dtype=torch.int64, device="cuda")
-        gpu_copy.run_segments(addresses, addresses + 8 * 32, words, words, out)
-        gpu_copy.run_segments(addresses, None, words, words, out)
-    torch.cuda.synchronize()
-    assert _compiled_kernels(gpu_copy._copy_segments) == compiled
+    assert _compiled_kernels(gpu_copy._copy_blocks) == compiled
 
 
 def _compiled_kernels(kernel) -> int:

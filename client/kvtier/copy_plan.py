@@ -4,12 +4,13 @@ An engine describes its cache as runs (`KVRun`): block b's k-th run is `size` by
 `allocation + offset + b * block_stride`, and a block's bytes in the pool are its runs concatenated.
 The pool stores a block in pages of `page_size` bytes. Cutting the block's byte range at every run
 boundary and every page boundary gives segments that are contiguous on both sides; their shape is the
-same for every block, so it is computed once per registration (`SegmentTemplate`) and a batch's
-source and destination addresses are one numpy broadcast (`SegmentTemplate.addresses`), never a
-Python loop over blocks. The copy kernel runs one program per segment; the copy engines take runs,
-whole blocks that are one stretch on both sides (`block_stretches`), merged where they continue each
-other (`coalesce`: a block-outermost cache whose blocks sit in consecutive pool pages gives one run
-per stretch of consecutive blocks).
+same for every block, so it is computed once per registration (`SegmentTemplate`), and the copy
+kernel works out each segment's addresses from it, the block id and the block's pages (segment k of
+block b: GPU `base[allocation] + gpu_offset + b * block_stride`, pool `pages[b][page] * page_size +
+page_offset`); no Python loop over blocks or segments. The copy kernel runs one program per segment; the copy engines take runs:
+whole blocks that are one stretch in the pool (`pool_stretches`) and, for block-outermost caches, on
+the GPU (`gpu_stretches`), merged where they continue each other (`coalesce`: blocks in consecutive
+pool pages give one run per stretch of consecutive blocks).
 """
 
 from __future__ import annotations
@@ -73,24 +74,21 @@ class SegmentTemplate:
     def block_bytes(self) -> int:
         return int(self.words.sum()) * WORD
 
-    def addresses(
-        self, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_base: int, page_ids: np.ndarray, page_size: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(GPU addresses, pool addresses), each [n_blocks * segments] int64, block-major."""
-        gpu = allocation_bases[self.allocation] + self.gpu_offset + block_ids.astype(np.int64)[:, None] * self.block_stride
-        pool = pool_base + page_ids.astype(np.int64)[:, self.page] * page_size + self.page_offset
-        return gpu.ravel(), pool.ravel()
-
-    def block_stretches(
-        self, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_base: int, page_ids: np.ndarray, page_size: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(GPU addresses, pool addresses) of whole blocks, [n_blocks] int64 each, when every block is
-        one stretch on both sides (one GPU run, its pages consecutive in the pool); None otherwise."""
-        pages = page_ids.astype(np.int64)
-        if not self.one_run or (pages[:, 1:] != pages[:, :-1] + 1).any():
+    def gpu_stretches(self, allocation_bases: np.ndarray, block_ids: np.ndarray) -> np.ndarray | None:
+        """GPU address of each whole block ([n_blocks] int64) when a block is one run of GPU memory
+        (block-outermost layouts); None otherwise."""
+        if not self.one_run:
             return None
-        gpu = allocation_bases[self.allocation[0]] + self.gpu_offset[0] + block_ids.astype(np.int64) * self.block_stride[0]
-        return gpu, pool_base + pages[:, 0] * page_size
+        return allocation_bases[self.allocation[0]] + self.gpu_offset[0] + block_ids.astype(np.int64) * self.block_stride[0]
+
+    def pool_stretches(self, pool_base: int, page_ids: np.ndarray, page_size: int) -> np.ndarray | None:
+        """Pool address of each whole block ([n_blocks] int64) when each block's pages are consecutive
+        (as the pool hands them out unless it is fragmented): its bytes are then one stretch; None
+        otherwise."""
+        pages = page_ids.astype(np.int64)
+        if (pages[:, 1:] != pages[:, :-1] + 1).any():
+            return None
+        return pool_base + pages[:, 0] * page_size
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

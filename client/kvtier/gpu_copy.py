@@ -1,21 +1,31 @@
 """One batch of blocks between GPU memory and the pinned pool, copied and checksummed.
 
-Stores, and loads of short runs, take one kernel launch: each Triton program copies one segment (see
-copy_plan) as 64-bit words between any two addresses the GPU can reach (the engine's KV cache opened
-through CUDA IPC, or the pool registered with cudaHostRegister, read and written over PCIe) and adds
-up the checksum while the words pass through registers (about 0.92 of a bulk memcpy).
-Loads of long runs (a block-outermost KV cache whose blocks sit in consecutive pool pages, as the
-pool hands them out) go through the copy engines instead: whole blocks, consecutive ones merged into
-runs, moved by cuda_dma (about 0.98 of a bulk memcpy) and enqueued before the kernel's tables are
-even built; the kernel then adds up the checksums from the engine's copy in HBM (0.2-0.3 ms for 170
-MB). Stores stay on the kernel: with four stores in flight on an H200, DMA from the GPU to the pool
-reached 39-49 GB/s where the kernel reached 50-52.
-Either way each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its
-position in the block), so stores get their checksums and loads their verification.
+Two engines move bytes. The copy kernel (Triton) runs one program per segment of a block (see
+copy_plan), copying 64-bit words between any two addresses the GPU can reach (the engine's KV cache
+opened through CUDA IPC, the pool registered with cudaHostRegister, read and written over PCIe, or
+GPU memory) and adding up the checksum while the words pass through registers; over PCIe it reaches
+about 0.92 of a bulk memcpy. The copy engines (cuda_dma, one driver call per chunk) reach about
+0.98, for runs of 1 MiB or more.
+
+A cache's segment template lives on its GPU (`GpuLayout`, sent once): a call sends only its block
+ids and pool page ids, which the kernel reads straight from pinned host memory, working out every
+segment's addresses itself, and it writes the partial checksums back there. Python's work per call
+is therefore a few array fills and launches, whatever the number of segments.
+
+Stores go through the kernel (with four stores in flight on an H200, DMA from the GPU to the pool
+reached 39-49 GB/s where the kernel reached 50-52). A load into a block-outermost cache (BLHNC)
+whose blocks each sit in consecutive pool pages (as the pool hands them out) goes through the copy
+engines straight into place, in three chunks that shrink about twelvefold each (`_chunk_starts`):
+the kernel adds up each chunk's checksums in HBM on a second stream while the next, smaller chunk
+still moves (HBM is some fifteen times faster than PCIe), so only a block or so's pass follows the
+last byte. Other loads (a layer-major cache, or scattered pages) go through the kernel alone.
+Each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its position in
+the block), so stores get their checksums and loads their verification.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,113 +34,217 @@ import triton
 import triton.language as tl
 
 from kvtier import checksum, cuda_dma
-from kvtier.copy_plan import SegmentTemplate, coalesce
+from kvtier.copy_plan import Run, SegmentTemplate, coalesce
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
+TAIL_SHARE = 12  # each chunk of a DMA load holds about 1/TAIL_SHARE of the blocks before it
+TO_POOL, FROM_POOL, CHECK_IN_PLACE = 0, 1, 2  # what the kernel does with each segment
 
 
-@triton.jit
-def _copy_segments(src_addresses, dst_addresses, word_counts, first_words, partial_sums, STEP: tl.constexpr, COPY: tl.constexpr):
-    segment = tl.program_id(0)
-    src = tl.load(src_addresses + segment).to(tl.pointer_type(tl.uint64))
-    dst = tl.load(dst_addresses + segment).to(tl.pointer_type(tl.uint64))
-    count = tl.load(word_counts + segment)
-    first = tl.load(first_words + segment).to(tl.uint64)
+@triton.jit(do_not_specialize=["segment_count", "block_ids", "pages", "sums", "pages_per_block", "pool", "page_size", "first"])
+def _copy_blocks(
+    segments,  # [6, segment_count] int64 on the device: GpuLayout.segments
+    segment_count,
+    block_ids,  # address of int64 [blocks]: the GPU block ids
+    pages,  # address of int64 [blocks, pages_per_block]: each block's pool pages
+    sums,  # address of int64 [blocks, segment_count]: each segment's partial checksum, written here
+    pages_per_block,
+    pool,  # the pool's address
+    page_size,
+    first,  # the first block of this launch
+    STEP: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    s = tl.program_id(0)
+    block = first + tl.program_id(1)
+    gpu_block = tl.load(block_ids.to(tl.pointer_type(tl.int64)) + block)
+    gpu = tl.load(segments + s) + gpu_block * tl.load(segments + segment_count + s)
+    page = tl.load(pages.to(tl.pointer_type(tl.int64)) + block * pages_per_block + tl.load(segments + 2 * segment_count + s))
+    other = pool + page * page_size + tl.load(segments + 3 * segment_count + s)
+    count = tl.load(segments + 4 * segment_count + s)
+    position = tl.load(segments + 5 * segment_count + s).to(tl.uint64)
+    if MODE == 1:
+        src, dst = other, gpu
+    else:
+        src, dst = gpu, other
+    src = src.to(tl.pointer_type(tl.uint64))
+    dst = dst.to(tl.pointer_type(tl.uint64))
     lanes = tl.arange(0, STEP)
     total = tl.zeros([STEP], dtype=tl.uint64)
     for start in range(0, count, STEP):
         index = start + lanes
         inside = index < count
         words = tl.load(src + index, mask=inside, other=0)
-        if COPY:
+        if MODE != 2:
             tl.store(dst + index, words, mask=inside)
-        z = (first + index.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
+        z = (position + index.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         z = (z ^ (z >> 31)) | 1
         total += words * z
-    tl.store(partial_sums + segment, tl.sum(total, axis=0))
+    tl.store(sums.to(tl.pointer_type(tl.uint64)) + block * segment_count + s, tl.sum(total, axis=0))
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """A KV cache's segment template (for one pool page size) and allocation bases, with the template
+    on the cache's GPU: per segment, its GPU address in block 0, GPU bytes between blocks, page of the
+    block, offset in that page, length in words and first word's position in the block."""
+
+    template: SegmentTemplate
+    bases: np.ndarray  # int64 device address of each allocation
+    page_size: int
+    segments: torch.Tensor  # [6, segments] int64 on the device
+
+    @classmethod
+    def on(cls, template: SegmentTemplate, bases: np.ndarray, page_size: int, device: torch.device) -> GpuLayout:
+        t = template
+        rows = np.stack([bases[t.allocation] + t.gpu_offset, t.block_stride, t.page, t.page_offset, t.words, t.first_word])
+        return cls(template, bases, page_size, torch.from_numpy(rows.astype(np.int64)).to(device))
+
+    @property
+    def segment_count(self) -> int:
+        return len(self.template.words)
+
+
+@dataclass(frozen=True)
+class CopyLane:
+    """Where copies run on one GPU: a stream for the copy engines and one for the kernel."""
+
+    device: torch.device
+    dma: torch.cuda.Stream
+    kernel: torch.cuda.Stream
+
+    @classmethod
+    def on(cls, device: torch.device) -> CopyLane:
+        return cls(device, torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def synchronize(self) -> None:
+        self.dma.synchronize()
+        self.kernel.synchronize()
 
 
 @dataclass
 class LaunchedCopy:
-    """A batch enqueued on its stream; `wait` returns the blocks' checksums once it is done."""
+    """A batch enqueued on its lane; `wait` returns the blocks' checksums once it is done."""
 
     done: torch.cuda.Event | None  # None: no block, nothing enqueued
-    sums: torch.Tensor  # pinned int64 per segment, written by the stream before `done`
-    blocks: int
+    call: torch.Tensor  # pinned: block ids, pages, then the partial sums the kernel writes
+    sums: np.ndarray  # [blocks, segments] view of the partial sums in `call`
 
     def wait(self) -> np.ndarray:
         if self.done is None:
             return np.empty(0, dtype=np.uint64)
-        self.done.synchronize()  # this copy only: later batches on the same stream do not delay it
-        per_segment = self.sums.numpy().view(np.uint64).reshape(self.blocks, -1)
+        self.done.synchronize()  # this copy only: later batches on the same lane do not delay it
         with np.errstate(over="ignore"):
-            return checksum.combine([per_segment.sum(axis=1, dtype=np.uint64)])
+            return checksum.combine([self.sums.view(np.uint64).sum(axis=1, dtype=np.uint64)])
+
+
+@dataclass
+class _Call:
+    """One call's arrays in pinned memory, which the kernel reads and writes in place: block ids,
+    pool pages, then the partial checksums."""
+
+    memory: torch.Tensor
+    blocks: int
+    pages_per_block: int
+
+    @classmethod
+    def of(cls, layout: GpuLayout, block_ids: np.ndarray, page_ids: np.ndarray) -> _Call:
+        n, pages_per_block = page_ids.shape
+        memory = torch.empty(n * (1 + pages_per_block + layout.segment_count), dtype=torch.int64, pin_memory=True)
+        fields = memory.numpy()
+        fields[:n] = block_ids
+        fields[n : n * (1 + pages_per_block)] = page_ids.ravel()
+        return cls(memory, n, pages_per_block)
+
+    @property
+    def sums(self) -> np.ndarray:
+        return self.memory.numpy()[self.blocks * (1 + self.pages_per_block) :].reshape(self.blocks, -1)
+
+    def launch(self, layout: GpuLayout, pool_address: int, first: int, count: int, mode: int) -> None:
+        """The kernel over blocks [first, first + count) of the call, on the current stream."""
+        ids = self.memory.data_ptr()
+        pages, sums = ids + 8 * self.blocks, ids + 8 * self.blocks * (1 + self.pages_per_block)
+        segments = layout.segment_count
+        _copy_blocks[(segments, count)](
+            layout.segments, segments, ids, pages, sums, self.pages_per_block, pool_address, layout.page_size, first,
+            STEP=WORDS_PER_STEP, MODE=mode, num_warps=4,
+        )  # fmt: skip
 
 
 def launch_copy(
-    template: SegmentTemplate,
-    allocation_bases: np.ndarray,
+    layout: GpuLayout,
     block_ids: np.ndarray,
     pool_address: int,
     page_ids: np.ndarray,
-    page_size: int,
     to_pool: bool,
-    device: torch.device,
-    stream: torch.cuda.Stream,
+    lane: CopyLane,
     after=None,
 ) -> LaunchedCopy:
-    """Enqueue the copy of whole blocks between a GPU KV cache (laid out as `template` over
-    `allocation_bases`) and pool pages on `stream`, after the event `after` (if any; stores); returns
-    at once. A load through the copy engines starts before anything else is prepared. Should
-    anything fail after that, the stream is drained before the error goes up (the caller may then
-    free the pages and close the mappings)."""
+    """Enqueue the copy of whole blocks between a GPU KV cache and pool pages (page_ids[i] holds
+    block_ids[i]) on `lane`, after the event `after` (if any; stores); returns at once. A load's
+    copy engines start before anything else is prepared. Should anything fail after something was
+    enqueued, the lane is drained before the error goes up (the caller may then free the pages and
+    close the mappings)."""
     block_ids = np.asarray(block_ids, dtype=np.int64)
     n = len(block_ids)
     if n == 0:
-        return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), 0)
-    if after is not None:
-        stream.wait_event(after)
-    runs = None if to_pool else dma_runs(template, allocation_bases, block_ids, pool_address, page_ids, page_size)
-    if runs is not None:
-        pool_runs, gpu_runs, run_sizes = runs
-        cuda_dma.copy(gpu_runs, pool_runs, run_sizes, stream.cuda_stream)
+        return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), np.empty((0, layout.segment_count), dtype=np.int64))
     try:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            gpu, pool = template.addresses(allocation_bases, block_ids, pool_address, page_ids, page_size)
-            words, first = np.tile(template.words, n), np.tile(template.first_word, n)
-            partial = torch.empty(len(gpu), dtype=torch.int64, device=device)
-            if runs is not None:
-                run_segments(gpu, None, words, first, partial)  # what landed, read in HBM
-            else:
-                src, dst = (gpu, pool) if to_pool else (pool, gpu)
-                run_segments(src, dst, words, first, partial)
-            sums = torch.empty(len(partial), dtype=torch.int64, pin_memory=True)
-            sums.copy_(partial, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+        with torch.cuda.device(lane.device):
+            landed = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
+            call = _Call.of(layout, block_ids, page_ids)
+            with torch.cuda.stream(lane.kernel):
+                if after is not None:
+                    lane.kernel.wait_event(after)
+                if landed is None:
+                    call.launch(layout, pool_address, 0, n, TO_POOL if to_pool else FROM_POOL)
+                for (first, end), event in (landed or {}).items():
+                    lane.kernel.wait_event(event)
+                    call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
+            return LaunchedCopy(_recorded(lane.kernel), call.memory, call.sums)
     except BaseException:
-        stream.synchronize()  # what was enqueued lands before anything it touches is freed or unmapped
+        lane.synchronize()  # what was enqueued lands before anything it touches is freed or unmapped
         raise
-    return LaunchedCopy(done, sums, n)
 
 
-def dma_runs(
-    template: SegmentTemplate, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_address: int, page_ids, page_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(pool addresses, GPU addresses, sizes) of the runs the copy engines load, when they load these
-    blocks faster than the kernel would: every block one stretch on both sides, consecutive ones
-    merged, in runs of DMA_MIN_MEAN_RUN_BYTES or more on average; None otherwise."""
-    if not cuda_dma.available():
+def _load_in_place(
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
+) -> dict[tuple[int, int], torch.cuda.Event] | None:
+    """Enqueue a load on the copy engines when they are faster than the kernel (a block-outermost
+    cache, each block in consecutive pool pages, runs of DMA_MIN_MEAN_RUN_BYTES or more on average):
+    per chunk (first block, end), the event of its landing; None (nothing enqueued) otherwise."""
+    template = layout.template
+    gpu_blocks = template.gpu_stretches(layout.bases, block_ids) if cuda_dma.available() else None
+    pool_blocks = None if gpu_blocks is None else template.pool_stretches(pool_address, page_ids, layout.page_size)
+    if pool_blocks is None:
         return None
-    stretches = template.block_stretches(allocation_bases, block_ids, pool_address, page_ids, page_size)
-    if stretches is None:
+    n = len(block_ids)
+    bounds = [*_chunk_starts(n), n]
+    sizes = np.full(n, template.block_bytes, dtype=np.int64)
+    runs = [coalesce(gpu_blocks[a:b], pool_blocks[a:b], sizes[a:b]) for a, b in itertools.pairwise(bounds)]
+    if template.block_bytes * n < DMA_MIN_MEAN_RUN_BYTES * sum(len(r[2]) for r in runs):
         return None
-    gpu_blocks, pool_blocks = stretches
-    runs = coalesce(pool_blocks, gpu_blocks, np.full(len(block_ids), template.block_bytes, dtype=np.int64))
-    return runs if template.block_bytes * len(block_ids) >= DMA_MIN_MEAN_RUN_BYTES * len(runs[2]) else None
+    landed = {}
+    for chunk, (dst, src, run_sizes) in zip(itertools.pairwise(bounds), runs, strict=True):
+        cuda_dma.copy(dst, src, run_sizes, lane.dma.cuda_stream)
+        landed[chunk] = _recorded(lane.dma)
+    return landed
+
+
+def _chunk_starts(n: int) -> list[int]:
+    """Where a DMA load's chunks start: [0, n - middle - last, n - last], the middle chunk about
+    1/TAIL_SHARE of the blocks and the last about 1/TAIL_SHARE of that; [0] for fewer than 3 blocks."""
+    last, middle = max(1, n // TAIL_SHARE**2), max(1, n // TAIL_SHARE)
+    return [0, n - middle - last, n - last] if n >= 3 else [0]
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def copy_blocks(*args, **kwargs) -> np.ndarray:
@@ -139,23 +253,14 @@ def copy_blocks(*args, **kwargs) -> np.ndarray:
 
 
 def compile_kernel() -> None:
-    """Compile both forms of the copy kernel (a second or two each, once per process) by running them
-    over one word of the current device's memory (other devices load the compiled kernel, which is
-    quick)."""
-    word = torch.zeros(1, dtype=torch.int64, device="cuda")
-    address = np.array([word.data_ptr()], dtype=np.int64)
-    one = np.ones(1, dtype=np.int64)
-    for dst in (address, None):
-        run_segments(address, dst, one, one, torch.empty(1, dtype=torch.int64, device="cuda"))
+    """Compile the kernel's three forms (a second or two each, once per process) by running them over
+    one block of one word in the current device's memory (other devices load the compiled kernel,
+    which is quick). Every launch after that has the same argument types: nothing more to compile."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    words = torch.zeros(2, dtype=torch.int64, device=device)
+    template = SegmentTemplate.build([Run(0, 0, 8, 8)], 8)
+    layout = GpuLayout.on(template, np.array([words.data_ptr()], dtype=np.int64), 8, device)
+    call = _Call.of(layout, np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=np.int64))
+    for mode in (TO_POOL, FROM_POOL, CHECK_IN_PLACE):
+        call.launch(layout, words.data_ptr(), 0, 1, mode)
     torch.cuda.current_stream().synchronize()
-
-
-def run_segments(src: np.ndarray, dst: np.ndarray | None, words: np.ndarray, first_words: np.ndarray, out: torch.Tensor) -> None:
-    """Launch the kernel on the current stream over segments at src[i] (addresses, int64): copies them
-    to dst[i] unless dst is None, and writes the per-segment partial checksums into `out` (int64 on
-    the device, ready when the stream reaches this point)."""
-    copy = dst is not None
-    table = np.zeros((4, len(src) + len(src) % 2), dtype=np.int64)  # an even row length: every row 16-byte
-    table[:, : len(src)] = src, dst if copy else src, words, first_words  # aligned, one form of the kernel
-    table = torch.from_numpy(table).pin_memory().to(out.device, non_blocking=True)
-    _copy_segments[(len(src),)](table[0], table[1], table[2], table[3], out, STEP=WORDS_PER_STEP, COPY=copy, num_warps=4)

@@ -1,12 +1,14 @@
 """The daemon side of TRANSPORT_CUDA_IPC: engines' GPU KV caches, opened once, and the copies.
 
 A registration belongs to a session: the engine worker's KV cache allocations opened through CUDA
-IPC on the device with the same UUID, the segment template of its layout, and its ready event. The
-daemon keeps one CUDA context per GPU (torch's primary context) and a few streams per GPU; each copy
-is one batch of gpu_copy (a kernel launch, or the copy engines for loads of long runs) enqueued by
-the event loop itself (a few hundred microseconds of numpy and launches, no thread hand-off
-before the bytes start moving) and waited for on a worker thread, so the event loop never waits for
-the GPU. `then` runs on that worker thread the moment the copy is done (a load answers from there).
+IPC on the device with the same UUID, its layout (gpu_copy.GpuLayout: the segment template, kept on
+that GPU), and its ready event. The
+daemon keeps one CUDA context per GPU (torch's primary context) and LANES_PER_DEVICE copy lanes per
+GPU, taken in turn (gpu_copy.CopyLane: a stream for the copy engines and one for the kernel); each
+copy is one batch of gpu_copy enqueued by the event loop itself (a few hundred microseconds of numpy and
+launches, no thread hand-off before the bytes start moving) and waited for on a worker thread, so
+the event loop never waits for the GPU. `then` runs on that worker thread the moment the copy is
+done (a load answers from there).
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
 a store); loads return only when the bytes are in the engine's memory. When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -33,7 +35,7 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, Permis
 
 log = logging.getLogger("kvtierd.gpu")
 
-STREAMS_PER_DEVICE = 4
+LANES_PER_DEVICE = 4  # copies in flight per GPU before they queue behind each other
 T = TypeVar("T")
 
 
@@ -43,8 +45,7 @@ class CudaRegistration:
     session_id: str
     device_index: int
     storages: list  # torch.UntypedStorage opened through CUDA IPC
-    bases: np.ndarray  # int64 device address of each storage
-    template: SegmentTemplate
+    layout: object  # gpu_copy.GpuLayout over the storages
     num_blocks: int
     ready_event: object  # torch.cuda.Event opened from the engine's handle
     in_flight: int = 0
@@ -65,7 +66,7 @@ class GpuTransfers:
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _executor: ThreadPoolExecutor | None = None
-    _streams: dict[int, itertools.cycle] = field(default_factory=dict)
+    _lanes: dict[int, itertools.cycle] = field(default_factory=dict)  # per GPU: gpu_copy.CopyLane, in turn
 
     # ------------------------------------------------------------------ registration
 
@@ -99,13 +100,16 @@ class GpuTransfers:
                 ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event) if cache.ready_event else None
             except RuntimeError as exc:
                 raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
+            from kvtier.gpu_copy import CopyLane, GpuLayout  # noqa: PLC0415 (needs triton)
+
+            bases = np.array([s.data_ptr() for s in storages], dtype=np.int64)
+            layout = GpuLayout.on(template, bases, self.page_size, torch.device("cuda", device_index))
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
             device_index=device_index,
             storages=storages,
-            bases=np.array([s.data_ptr() for s in storages], dtype=np.int64),
-            template=template,
+            layout=layout,
             num_blocks=cache.num_blocks,
             ready_event=ready,
         )
@@ -113,12 +117,11 @@ class GpuTransfers:
             self._registrations[registration.id] = registration
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    STREAMS_PER_DEVICE * torch.cuda.device_count(), thread_name_prefix="kvtierd-gpu"
+                    LANES_PER_DEVICE * torch.cuda.device_count(), thread_name_prefix="kvtierd-gpu"
                 )
-            if device_index not in self._streams:
-                self._streams[device_index] = itertools.cycle(
-                    [torch.cuda.Stream(device_index) for _ in range(STREAMS_PER_DEVICE)]
-                )
+            if device_index not in self._lanes:
+                device = torch.device("cuda", device_index)
+                self._lanes[device_index] = itertools.cycle([CopyLane.on(device) for _ in range(LANES_PER_DEVICE)])
         log.info(
             "cuda_ipc registered",
             extra={
@@ -174,22 +177,17 @@ class GpuTransfers:
                 self._close(registration)
 
     def _launch(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
-        import torch  # noqa: PLC0415 (only daemons serving cuda_ipc import torch)
-
         from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
         with self._lock:
-            stream = next(self._streams[registration.device_index])
+            lane = next(self._lanes[registration.device_index])
         return launch_copy(
-            registration.template,
-            registration.bases,
+            registration.layout,
             block_ids,
             self.pool_address,
             page_ids,
-            self.page_size,
             to_pool,
-            torch.device("cuda", registration.device_index),
-            stream,
+            lane,
             after=registration.ready_event if to_pool else None,
         )
 

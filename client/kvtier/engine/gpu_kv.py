@@ -86,9 +86,9 @@ class GpuKV:
         self.block_bytes = sum(r.run.size for r in self.runs)
         self.ready = torch.cuda.Event(interprocess=True)
         self._bases = np.array([storage.data_ptr() for storage in self.storages], dtype=np.int64)
-        self._stream = torch.cuda.Stream(self.device)
+        self._lane = None  # gpu_copy.CopyLane of the shm fallback, made on its first copy
         self._runs = [r.run for r in self.runs]
-        self._template: tuple[int, SegmentTemplate] | None = None
+        self._layout = None  # gpu_copy.GpuLayout for the pool's page size, made on the first copy
 
     # ------------------------------------------------------------------ cuda_ipc transport
 
@@ -135,20 +135,19 @@ class GpuKV:
         return self._copy(pool, page_ids, block_ids, to_pool=False)
 
     def _copy(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], to_pool: bool) -> np.ndarray:
-        from kvtier.gpu_copy import copy_blocks  # noqa: PLC0415 (triton)
+        from kvtier.gpu_copy import CopyLane, GpuLayout, copy_blocks  # noqa: PLC0415 (triton)
 
+        if self._lane is None:
+            self._lane = CopyLane.on(self.device)
         page_size = pool.view.page_size
-        if self._template is None or self._template[0] != page_size:
-            self._template = (page_size, SegmentTemplate.build(self._runs, page_size))
+        if self._layout is None or self._layout.page_size != page_size:
+            self._layout = GpuLayout.on(SegmentTemplate.build(self._runs, page_size), self._bases, page_size, self.device)
         return copy_blocks(
-            self._template[1],
-            self._bases,
+            self._layout,
             np.asarray(block_ids, dtype=np.int64),
             pool.cuda_address(),
             page_ids,
-            page_size,
             to_pool,
-            self.device,
-            self._stream,
+            self._lane,
             after=self.ready if to_pool else None,
         )
