@@ -172,9 +172,10 @@ def main() -> None:
         "prefix_170MB_memcpy_ms": prefix_memcpy_ms,
         "prefix_load_vs_memcpy": max(layouts[lay]["prefix_load_ms"] for lay in layouts) / prefix_memcpy_ms,
         "daemon_gpu_memory_mib": daemon_mib,
-        "copy_paths": "stores: one Triton kernel per call (copy + checksum); loads: the copy engines "
-        "(cuMemcpyBatchAsync) when the batch's runs average 1 MiB or more (BLHNC blocks in consecutive pool pages), "
-        "then the checksum kernel over the engine's copy, otherwise the kernel",
+        "copy_paths": "stores: one Triton kernel launch per call (copy + checksum), the kernel working out every "
+        "segment's addresses from the block ids and pool pages; loads into BLHNC from consecutive pool pages: the copy "
+        "engines (cuMemcpyBatchAsync) in three shrinking chunks, each checksummed in HBM while the next moves; other "
+        "loads: the kernel. The daemon's event loop polls each copy from shortly before it can have ended",
         "layouts": layouts,
     }
     command = "python bench/transfer_gpu.py" + (f" --rounds {rounds}" if rounds != 10 else "")

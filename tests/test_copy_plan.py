@@ -107,7 +107,7 @@ def test_template_rejects_unaligned_runs():
 
 
 @pytest.mark.parametrize(("head_size", "runs"), [(32, 2), (40, 4)])
-def test_block_stretches_merged_move_the_same_bytes(head_size, runs):
+def test_stretches_merged_move_the_same_bytes(head_size, runs):
     """The copy engines' runs: a block-outermost cache in consecutive pool pages merges blocks 3, 4
     and 5 when a block fills its pages exactly (head size 32: 3 pages), and not when its last page
     has an unused tail (head size 40); either way the runs move exactly the segments' bytes."""

@@ -57,7 +57,7 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     compiled = _compiled_kernels(gpu_copy._copy_blocks)
 
     stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback): no staging
-    with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the daemon's copy threads start
+    with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the engine's link thread starts
         loaded = fresh.submit(kv.from_pool, pool, page_ids, list(range(16, 16 + n))).result()
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
     layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, buffer.device)

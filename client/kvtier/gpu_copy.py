@@ -133,6 +133,9 @@ class LaunchedCopy:
     call: torch.Tensor  # pinned: block ids, pages, then the partial sums the kernel writes
     sums: np.ndarray  # [blocks, segments] view of the partial sums in `call`
 
+    def finished(self) -> bool:
+        return self.done is None or self.done.query()
+
     def wait(self) -> np.ndarray:
         if self.done is None:
             return np.empty(0, dtype=np.uint64)

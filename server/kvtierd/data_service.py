@@ -197,7 +197,7 @@ class DataService(pb_grpc.KVTierServicer):
         return self._load_inline(session.id, lease)
 
     async def _load_cuda(self, session_id: str, lease: Lease, registration, device_block_ids, answer_now) -> pb.LoadResponse:
-        """Copy, verify, answer (from the copy thread when `answer_now` is given), then release the lease."""
+        """Copy, verify, answer (at once when `answer_now` is given), then release the lease."""
         ns = lease.namespace
         try:
             count = len(lease.blocks)
@@ -208,7 +208,7 @@ class DataService(pb_grpc.KVTierServicer):
             expected = self.store.checksum[lease.slots]
             response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
 
-            def verify(copied: np.ndarray) -> np.ndarray:  # on the copy thread, the moment the bytes are in place
+            def verify(copied: np.ndarray) -> np.ndarray:  # the moment the bytes are seen in place
                 bad = checksum.mismatched(copied, expected)
                 if answer_now is not None and not bad.any():
                     answer_now(response)

@@ -4,8 +4,8 @@ Each call goes to the same DataService handler as its gRPC twin, through the sam
 wrapper (timing metrics, error statuses, log lines); a refused call answers its gRPC status code
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
-A handler may answer before it ends, from any thread (`answer_now`: a GPU load answers from its copy
-thread the moment the bytes are in place, and releases its blocks after).
+A handler may answer before it ends, from any thread (`answer_now`: a GPU load answers the moment
+its bytes are seen in place, and releases its blocks after).
 """
 
 from __future__ import annotations

@@ -4,11 +4,15 @@ A registration belongs to a session: the engine worker's KV cache allocations op
 IPC on the device with the same UUID, its layout (gpu_copy.GpuLayout: the segment template, kept on
 that GPU), and its ready event. The
 daemon keeps one CUDA context per GPU (torch's primary context) and LANES_PER_DEVICE copy lanes per
-GPU, taken in turn (gpu_copy.CopyLane: a stream for the copy engines and one for the kernel); each
-copy is one batch of gpu_copy enqueued by the event loop itself (a few hundred microseconds of numpy and
-launches, no thread hand-off before the bytes start moving) and waited for on a worker thread, so
-the event loop never waits for the GPU. `then` runs on that worker thread the moment the copy is
-done (a load answers from there).
+GPU, taken in turn (gpu_copy.CopyLane: a stream for the copy engines and one for the kernel). The
+event loop enqueues each copy itself (a few hundred microseconds of numpy and launches: no thread
+hand-off before the bytes start moving) and watches it by hybrid polling, as the kernel's block
+layer does for fast disks: it sleeps until shortly before the copy can have ended (its bytes at
+LINK_BYTES_PER_S, after the copies queued before it in the same direction), then checks the copy's
+event on every turn of the loop, serving other calls in between, until it is done. No thread
+wakes up and no lock changes hands between the last byte and `then`, which runs on the loop the
+moment the copy is seen done (a load answers from there); the cost is the loop spinning for about
+the last millisecond of each copy (uvloop's timers count whole milliseconds).
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
 a store); loads return only when the bytes are in the engine's memory. When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -20,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -36,6 +38,10 @@ from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, Permis
 log = logging.getLogger("kvtierd.gpu")
 
 LANES_PER_DEVICE = 4  # copies in flight per GPU before they queue behind each other
+LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before that it cannot have ended
+POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
+FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
+SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
 T = TypeVar("T")
 
 
@@ -64,8 +70,7 @@ class GpuTransfers:
     pool_registered: bool
     kernel_error: str = ""  # why the copy kernel failed to compile at start-up (cuda_ipc is then refused)
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _executor: ThreadPoolExecutor | None = None
+    _link_busy_until: dict[tuple[int, bool], float] = field(default_factory=dict)  # (GPU, to pool): loop time
     _lanes: dict[int, itertools.cycle] = field(default_factory=dict)  # per GPU: gpu_copy.CopyLane, in turn
 
     # ------------------------------------------------------------------ registration
@@ -113,15 +118,10 @@ class GpuTransfers:
             num_blocks=cache.num_blocks,
             ready_event=ready,
         )
-        with self._lock:
-            self._registrations[registration.id] = registration
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    LANES_PER_DEVICE * torch.cuda.device_count(), thread_name_prefix="kvtierd-gpu"
-                )
-            if device_index not in self._lanes:
-                device = torch.device("cuda", device_index)
-                self._lanes[device_index] = itertools.cycle([CopyLane.on(device) for _ in range(LANES_PER_DEVICE)])
+        self._registrations[registration.id] = registration
+        if device_index not in self._lanes:
+            device = torch.device("cuda", device_index)
+            self._lanes[device_index] = itertools.cycle([CopyLane.on(device) for _ in range(LANES_PER_DEVICE)])
         log.info(
             "cuda_ipc registered",
             extra={
@@ -150,27 +150,25 @@ class GpuTransfers:
     async def load(
         self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, then: Callable[[np.ndarray], T]
     ) -> T:
-        """Copy pool blocks into engine blocks; `then(checksums of what was copied)`, called on a worker
-        thread as soon as the bytes are in place."""
+        """Copy pool blocks into engine blocks; `then(checksums of what was copied)`, called as soon as
+        the bytes are seen in place."""
         return await self._run(registration, block_ids, page_ids, to_pool=False, then=then)
 
     async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, then):
-        """Enqueue the copy here, wait for it on a worker thread; the registration stays open until it has ended."""
+        """Enqueue the copy and poll it (see the module's notes); the registration stays open until it has ended."""
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.in_flight += 1
         try:
             launched = self._launch(registration, block_ids, page_ids, to_pool)
+            size = len(block_ids) * registration.layout.template.block_bytes
+            landed = asyncio.ensure_future(_landed(launched, self._expected_end(registration.device_index, to_pool, size)))
             try:
-                copy = asyncio.get_running_loop().run_in_executor(self._executor, lambda: then(launched.wait()))
-            except BaseException:  # no thread to wait (shutting down): the copy still lands before we go on
-                launched.wait()
-                raise
-            try:
-                return await asyncio.shield(copy)
+                await asyncio.shield(landed)
             except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
-                await _settled(copy)
+                await _settled(landed)
                 raise
+            return then(launched.wait())
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
@@ -179,8 +177,7 @@ class GpuTransfers:
     def _launch(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
         from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
-        with self._lock:
-            lane = next(self._lanes[registration.device_index])
+        lane = next(self._lanes[registration.device_index])
         return launch_copy(
             registration.layout,
             block_ids,
@@ -196,8 +193,7 @@ class GpuTransfers:
     async def close_session(self, session_id: str) -> int:
         """Close the session's registrations, each as soon as its copies in flight end, and return
         once all are closed (the pool pages those copies used may then be freed)."""
-        with self._lock:
-            mine = [r for r in self._registrations.values() if r.session_id == session_id]
+        mine = [r for r in self._registrations.values() if r.session_id == session_id]
         for registration in mine:
             registration.closing = True
             if registration.in_flight == 0:
@@ -208,8 +204,7 @@ class GpuTransfers:
     def _close(self, registration: CudaRegistration) -> None:
         """No copy of it is in flight (each waits for its stream before returning): dropping the
         storages closes the IPC mappings."""
-        with self._lock:
-            self._registrations.pop(registration.id, None)
+        self._registrations.pop(registration.id, None)
         registration.storages.clear()
         registration.ready_event = None
         registration.closed.set()
@@ -231,15 +226,37 @@ class GpuTransfers:
             self.kernel_error = str(exc)
             log.error("cuda_ipc unavailable: the copy kernel did not compile", extra={"reason": self.kernel_error})
 
+    def _expected_end(self, device_index: int, to_pool: bool, size: int) -> float:
+        """The soonest a copy of `size` bytes enqueued now can end (loop time): after the copies before
+        it in the same direction, at LINK_BYTES_PER_S."""
+        key = (device_index, to_pool)
+        start = max(asyncio.get_running_loop().time(), self._link_busy_until.get(key, 0.0))
+        self._link_busy_until[key] = end = start + size / LINK_BYTES_PER_S
+        return end
+
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)  # copies in flight end before the mappings go
+        if self._lanes:  # copies whose callers went with the event loop land before the mappings go
+            import torch  # noqa: PLC0415
+
+            for device_index in self._lanes:
+                torch.cuda.synchronize(device_index)
         for registration in list(self._registrations.values()):
             self._close(registration)
 
 
 def _same(value: np.ndarray) -> np.ndarray:
     return value
+
+
+async def _landed(launched, expected_end: float) -> None:
+    """Sleep until shortly before `expected_end`, then poll the copy on every turn of the loop (for up
+    to FAST_POLL_S past it), then every SLOW_POLL_S, until it is done."""
+    loop = asyncio.get_running_loop()
+    if expected_end - POLL_EARLY_S > loop.time():
+        await asyncio.sleep(expected_end - POLL_EARLY_S - loop.time())
+    fast_until = max(loop.time(), expected_end) + FAST_POLL_S
+    while not launched.finished():
+        await asyncio.sleep(0 if loop.time() < fast_until else SLOW_POLL_S)
 
 
 async def _settled(future: asyncio.Future) -> None:
