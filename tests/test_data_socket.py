@@ -114,12 +114,13 @@ def test_without_the_data_socket_calls_go_over_grpc(start_daemon):
             assert np.array_equal(client.load(ns, [b"k" * 32]), data)
 
 
-class _AnswersFromAThread:
-    """Handlers that answer the way a GPU load does: from another thread, before they end."""
+class _AnswersEarly:
+    """Handlers that answer the way a GPU load does: before they end."""
 
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
         size = request.lease_id
-        await asyncio.to_thread(context.answer_now, pb.LoadResponse(block_count=size, data=b"x" * size))
+        context.answer_now(pb.LoadResponse(block_count=size, data=b"x" * size))
+        await asyncio.sleep(0)
         if size == 3:
             await context.abort(grpc.StatusCode.INTERNAL, "refused after the answer went out")
         return pb.LoadResponse(block_count=0)  # dropped: the call has its answer
@@ -128,13 +129,13 @@ class _AnswersFromAThread:
         return pb.LookupResponse(hit_count=len(request.hashes))
 
 
-def test_an_answer_sent_from_another_thread_before_the_handler_ends_is_the_calls_only_answer(tmp_path):
+def test_an_answer_sent_before_the_handler_ends_is_the_calls_only_answer(tmp_path):
     """One frame per call whatever the handler does after answering, and an answer larger than the
     socket takes at once arrives whole (its rest through the event loop)."""
     loop = asyncio.new_event_loop()
     serving = threading.Thread(target=loop.run_forever, daemon=True)
     serving.start()
-    server = DataSocketServer(_AnswersFromAThread(), tmp_path / "data", 64 << 20)
+    server = DataSocketServer(_AnswersEarly(), tmp_path / "data", 64 << 20)
     asyncio.run_coroutine_threadsafe(server.start(), loop).result()
     client = DataSocket(tmp_path / "data", timeout=10)
     try:

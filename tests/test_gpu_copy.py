@@ -33,10 +33,37 @@ def pool():
     path.unlink()
 
 
+def kv_cache(layout: str) -> tuple[dict[str, torch.Tensor], int]:
+    """Random per-layer KV tensors and their blocks' bytes: vLLM 0.33's one buffer with strided views
+    (4 layers, 256 KiB blocks: 8 segments in 8 pages), or vLLM 0.32's own [2, blocks, ...] tensor per
+    layer ("split": 4 allocations, head size 40, 80 KiB blocks: 10 segments, cut at every K and V
+    run and page boundary, in 3 pages)."""
+    if layout == "split":
+        views = {f"layer{i}": torch.empty(2, 64, 16, 8, 40, dtype=torch.bfloat16, device="cuda") for i in range(4)}
+        for view in views.values():
+            view.view(torch.int16).random_()
+        return views, 4 * 2 * 16 * 8 * 40 * 2
+    g = Geometry(layers=4, num_blocks=64)
+    buffer, views = allocate_kv_cache(g, layout)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8, device="cuda"))
+    return views, g.block_bytes
+
+
+def block_bytes_of(view: torch.Tensor) -> torch.Tensor:
+    """[blocks, bytes]: each block's bytes in one layer's tensor, in pool order (K then V)."""
+    as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
+    return as_bytes.transpose(0, 1).flatten(1) if view.dim() == 5 else as_bytes.flatten(1)
+
+
 @gpu
 @pytest.mark.parametrize(
     ("layout", "pages", "dma"),
-    [("BLHNC", "consecutive", True), ("BLHNC", "scattered", False), ("LBHNC", "consecutive", False)],
+    [
+        ("BLHNC", "consecutive", True),
+        ("BLHNC", "scattered", False),
+        ("LBHNC", "consecutive", False),
+        ("split", "scattered", False),
+    ],
 )
 def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma, monkeypatch):
     from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
@@ -45,32 +72,32 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
 
     if dma and not cuda_dma.available():
         pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
-    g = Geometry(layers=4, num_blocks=64)  # 256 KiB blocks: 8 pages each
-    buffer, views = allocate_kv_cache(g, layout)
-    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8, device="cuda"))
-    kv = GpuKV(list(views.values()), g.num_blocks)
-    n, per_block = 16, g.block_bytes // PAGE
+    views, block_bytes = kv_cache(layout)
+    kv = GpuKV(list(views.values()), 64)
+    n, per_block = 16, -(-block_bytes // PAGE)
     order = np.arange(POOL_PAGES) if pages == "consecutive" else np.random.default_rng(3).permutation(POOL_PAGES)
     page_ids = order[: n * per_block].reshape(n, per_block).astype(np.uint32)
     kv.record_ready()
     gpu_copy.compile_kernel()
     compiled = _compiled_kernels(gpu_copy._copy_blocks)
+    monkeypatch.setattr(gpu_copy, "MAX_GRID_BLOCKS", 3)  # every kernel copy in launches of 3 blocks or fewer
 
-    stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback): no staging
+    stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback)
     with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the engine's link thread starts
         loaded = fresh.submit(kv.from_pool, pool, page_ids, list(range(16, 16 + n))).result()
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
-    layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, buffer.device)
+    device = next(iter(views.values())).device
+    gpu_layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, device)
     # a daemon's lane, taking runs of one 256 KiB block through the copy engines (watched: the real
     # driver call, counted): 16 blocks and 5 blocks in three chunks each (14 + 1 + 1, 3 + 1 + 1), one
     # block in one; two batches on one lane, each waited for alone; and one with no block
-    monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", g.block_bytes)
+    monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", block_bytes)
     dma_calls = []
     monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
-    lane = gpu_copy.CopyLane.on(buffer.device)
+    lane = gpu_copy.CopyLane.on(device)
 
     def launch_load(blocks: np.ndarray, pages: np.ndarray):
-        return gpu_copy.launch_copy(layout, blocks, pool.cuda_address(), pages, False, lane)
+        return gpu_copy.launch_copy(gpu_layout, blocks, pool.cuda_address(), pages, False, lane)
 
     sixteen = launch_load(np.arange(32, 48), page_ids)
     five, one = launch_load(np.arange(56, 61), page_ids[:5]), launch_load(np.arange(61, 62), page_ids[7:8])
@@ -81,13 +108,13 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     none = launch_load(np.arange(0), page_ids[:0]).wait()
 
     torch.cuda.synchronize()
-    in_pool = pool.view.read_blocks(page_ids, g.block_bytes)
-    expected = torch.cat([v.view(torch.uint8).flatten(1)[:n] for v in views.values()], dim=1).cpu().numpy()
-    assert np.array_equal(in_pool, expected)
-    for view in views.values():
-        as_bytes = view.view(torch.uint8)  # (random bytes hold NaNs, which never equal themselves)
-        assert torch.equal(as_bytes[16:32], as_bytes[:n]) and torch.equal(as_bytes[32:48], as_bytes[:n])
-        assert torch.equal(as_bytes[56:61], as_bytes[:5]) and torch.equal(as_bytes[61], as_bytes[7])
+    assert gpu_layout.segment_count == (10 if layout == "split" else per_block)
+    blocks = [block_bytes_of(view) for view in views.values()]
+    expected = torch.cat([b[:n] for b in blocks], dim=1).cpu().numpy()
+    assert np.array_equal(pool.view.read_blocks(page_ids, block_bytes), expected)
+    for b in blocks:
+        assert torch.equal(b[16:32], b[:n]) and torch.equal(b[32:48], b[:n])
+        assert torch.equal(b[56:61], b[:5]) and torch.equal(b[61], b[7])
     assert np.array_equal(stored, checksum.block_checksums(expected))
     assert np.array_equal(loaded, stored) and np.array_equal(sixteen, stored)
     assert np.array_equal(five, stored[:5]) and np.array_equal(one, stored[7:8]) and len(none) == 0

@@ -5,9 +5,10 @@ An engine describes its cache as runs (`KVRun`): block b's k-th run is `size` by
 The pool stores a block in pages of `page_size` bytes. Cutting the block's byte range at every run
 boundary and every page boundary gives segments that are contiguous on both sides; their shape is the
 same for every block, so it is computed once per registration (`SegmentTemplate`), and the copy
-kernel works out each segment's addresses from it, the block id and the block's pages (segment k of
-block b: GPU `base[allocation] + gpu_offset + b * block_stride`, pool `pages[b][page] * page_size +
-page_offset`); no Python loop over blocks or segments. The copy kernel runs one program per segment; the copy engines take runs:
+kernel (one program per segment of each block) works out the addresses from it, the block id and
+the block's pages (segment k of GPU block b in pool pages p: GPU `base[allocation] + gpu_offset +
+b * block_stride`, pool `pool_base + p[page] * page_size + page_offset`); no Python loop over blocks
+or segments. The copy kernel runs one program per segment; the copy engines take runs:
 whole blocks that are one stretch in the pool (`pool_stretches`) and, for block-outermost caches, on
 the GPU (`gpu_stretches`), merged where they continue each other (`coalesce`: blocks in consecutive
 pool pages give one run per stretch of consecutive blocks).

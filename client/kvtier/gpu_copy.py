@@ -40,6 +40,7 @@ WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
 TAIL_SHARE = 12  # each chunk of a DMA load holds about 1/TAIL_SHARE of the blocks before it
 TO_POOL, FROM_POOL, CHECK_IN_PLACE = 0, 1, 2  # what the kernel does with each segment
+MAX_GRID_BLOCKS = 65535  # CUDA's limit on a grid's second dimension: blocks per launch
 
 
 @triton.jit(do_not_specialize=["segment_count", "block_ids", "pages", "sums", "pages_per_block", "pool", "page_size", "first"])
@@ -137,9 +138,12 @@ class LaunchedCopy:
         return self.done is None or self.done.query()
 
     def wait(self) -> np.ndarray:
-        if self.done is None:
-            return np.empty(0, dtype=np.uint64)
-        self.done.synchronize()  # this copy only: later batches on the same lane do not delay it
+        if self.done is not None:
+            self.done.synchronize()  # this copy only: later batches on the same lane do not delay it
+        return self.checksums()
+
+    def checksums(self) -> np.ndarray:
+        """The blocks' checksums, once `finished`."""
         with np.errstate(over="ignore"):
             return checksum.combine([self.sums.view(np.uint64).sum(axis=1, dtype=np.uint64)])
 
@@ -167,14 +171,17 @@ class _Call:
         return self.memory.numpy()[self.blocks * (1 + self.pages_per_block) :].reshape(self.blocks, -1)
 
     def launch(self, layout: GpuLayout, pool_address: int, first: int, count: int, mode: int) -> None:
-        """The kernel over blocks [first, first + count) of the call, on the current stream."""
+        """The kernel over blocks [first, first + count) of the call, on the current stream (a launch per
+        MAX_GRID_BLOCKS blocks: the grid's second dimension)."""
         ids = self.memory.data_ptr()
         pages, sums = ids + 8 * self.blocks, ids + 8 * self.blocks * (1 + self.pages_per_block)
         segments = layout.segment_count
-        _copy_blocks[(segments, count)](
-            layout.segments, segments, ids, pages, sums, self.pages_per_block, pool_address, layout.page_size, first,
-            STEP=WORDS_PER_STEP, MODE=mode, num_warps=4,
-        )  # fmt: skip
+        for start in range(first, first + count, MAX_GRID_BLOCKS):
+            blocks = min(MAX_GRID_BLOCKS, first + count - start)
+            _copy_blocks[(segments, blocks)](
+                layout.segments, segments, ids, pages, sums, self.pages_per_block, pool_address, layout.page_size, start,
+                STEP=WORDS_PER_STEP, MODE=mode, num_warps=4,
+            )  # fmt: skip
 
 
 def launch_copy(

@@ -4,17 +4,15 @@ Each call goes to the same DataService handler as its gRPC twin, through the sam
 wrapper (timing metrics, error statuses, log lines); a refused call answers its gRPC status code
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
-A handler may answer before it ends, from any thread (`answer_now`: a GPU load answers the moment
-its bytes are seen in place, and releases its blocks after).
+A handler may answer before it ends (`answer_now`: a GPU load answers the moment its bytes are
+seen in place, and releases its blocks after).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -36,11 +34,9 @@ class _Refused(Exception):
 class _CallContext:
     """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), and `answer_now`."""
 
-    def __init__(self, peer: str, transport: asyncio.WriteTransport, answer_fd: int) -> None:
+    def __init__(self, peer: str, transport: asyncio.WriteTransport) -> None:
         self._peer = peer
         self._transport = transport
-        self._answer_fd = answer_fd  # the connection's own duplicate: never another socket's number
-        self._loop = asyncio.get_running_loop()
         self.answered = False
 
     def peer(self) -> str:
@@ -50,26 +46,11 @@ class _CallContext:
         raise _Refused(code, details)
 
     def answer_now(self, response) -> None:
-        """Send the call's answer at once, from any thread; the handler's own result is then dropped.
-        Nothing else writes to the connection during a call (one call at a time, and the client has
-        read the previous answer before asking again), so bytes the socket does not take at once
-        can follow through the event loop."""
-        try:
-            if self._transport.is_closing() or self._transport.get_write_buffer_size():
-                return  # the handler's result is answered as usual
-        except RuntimeError:  # the event loop changed the write buffer while we counted it
-            return
-        frame = _frame(_OK, response.SerializeToString())
-        try:
-            sent = os.write(self._answer_fd, frame)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            return  # the client went away: the event loop notices
-        self.answered = True  # a frame has started: the handler's result must not follow it
-        if sent < len(frame):
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutting down), and the connection with it
-                self._loop.call_soon_threadsafe(self._transport.write, frame[sent:])
+        """Send the call's answer at once (on the event loop, before the handler ends); the handler's
+        own result or error is then dropped."""
+        if not self._transport.is_closing():
+            self._transport.write(_frame(_OK, response.SerializeToString()))
+            self.answered = True
 
 
 class DataSocketServer:
@@ -95,9 +76,6 @@ class DataSocketServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = f"data-socket:{next(self._ids)}"
         self._writers.add(writer)
-        # answer_now writes here from other threads; the transport may close (and the system reuse)
-        # its own descriptor meanwhile, never this one, which is closed once no call is running
-        answer_fd = os.dup(writer.get_extra_info("socket").fileno())
         try:
             while True:
                 length, name_length = REQUEST_HEADER.unpack(await reader.readexactly(REQUEST_HEADER.size))
@@ -107,7 +85,7 @@ class DataSocketServer:
                     log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
                     await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
                     return  # its bytes were not read: the connection cannot go on
-                context = _CallContext(peer, writer.transport, answer_fd)
+                context = _CallContext(peer, writer.transport)
                 status, body = await self._call(method, await reader.readexactly(length), context)
                 if not context.answered:
                     await _answer(writer, status, body)
@@ -116,7 +94,6 @@ class DataSocketServer:
         finally:
             self._writers.discard(writer)
             writer.close()
-            os.close(answer_fd)
 
     async def _call(self, method: str, payload: bytes, context: _CallContext) -> tuple[int, bytes]:
         if method not in MESSAGES:

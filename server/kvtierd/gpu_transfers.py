@@ -7,12 +7,12 @@ daemon keeps one CUDA context per GPU (torch's primary context) and LANES_PER_DE
 GPU, taken in turn (gpu_copy.CopyLane: a stream for the copy engines and one for the kernel). The
 event loop enqueues each copy itself (a few hundred microseconds of numpy and launches: no thread
 hand-off before the bytes start moving) and watches it by hybrid polling, as the kernel's block
-layer does for fast disks: it sleeps until shortly before the copy can have ended (its bytes at
-LINK_BYTES_PER_S, after the copies queued before it in the same direction), then checks the copy's
-event on every turn of the loop, serving other calls in between, until it is done. No thread
-wakes up and no lock changes hands between the last byte and `then`, which runs on the loop the
-moment the copy is seen done (a load answers from there); the cost is the loop spinning for about
-the last millisecond of each copy (uvloop's timers count whole milliseconds).
+layer does for fast disks: it sleeps until shortly before the copy can have ended (`LinkClock`),
+then checks the copy's event on every turn of the loop, serving other calls in between, until it
+is done. No thread wakes up and no lock changes hands between the last byte and `then`, which runs
+on the loop the moment the copy is seen done (a load answers from there); the cost is the loop
+spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
+milliseconds) until it is seen done.
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
 a store); loads return only when the bytes are in the engine's memory. When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -70,7 +70,7 @@ class GpuTransfers:
     pool_registered: bool
     kernel_error: str = ""  # why the copy kernel failed to compile at start-up (cuda_ipc is then refused)
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
-    _link_busy_until: dict[tuple[int, bool], float] = field(default_factory=dict)  # (GPU, to pool): loop time
+    _clock: LinkClock = field(default_factory=lambda: LinkClock())
     _lanes: dict[int, itertools.cycle] = field(default_factory=dict)  # per GPU: gpu_copy.CopyLane, in turn
 
     # ------------------------------------------------------------------ registration
@@ -160,24 +160,25 @@ class GpuTransfers:
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.in_flight += 1
         try:
-            launched = self._launch(registration, block_ids, page_ids, to_pool)
+            lane = next(self._lanes[registration.device_index])
+            launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
             size = len(block_ids) * registration.layout.template.block_bytes
-            landed = asyncio.ensure_future(_landed(launched, self._expected_end(registration.device_index, to_pool, size)))
+            expected_end = self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size)
+            landed = asyncio.ensure_future(_landed(launched, expected_end))
             try:
                 await asyncio.shield(landed)
             except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
                 await _settled(landed)
                 raise
-            return then(launched.wait())
+            return then(launched.checksums())
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
                 self._close(registration)
 
-    def _launch(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
+    def _launch(self, registration: CudaRegistration, lane, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
         from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
-        lane = next(self._lanes[registration.device_index])
         return launch_copy(
             registration.layout,
             block_ids,
@@ -202,8 +203,9 @@ class GpuTransfers:
         return len(mine)
 
     def _close(self, registration: CudaRegistration) -> None:
-        """No copy of it is in flight (each waits for its stream before returning): dropping the
-        storages closes the IPC mappings."""
+        """No copy of it is in flight (each call goes on only once its copy is seen done): dropping the
+        storages closes the IPC mappings. A call that still holds the registration finds it closing."""
+        registration.closing = True
         self._registrations.pop(registration.id, None)
         registration.storages.clear()
         registration.ready_event = None
@@ -226,14 +228,6 @@ class GpuTransfers:
             self.kernel_error = str(exc)
             log.error("cuda_ipc unavailable: the copy kernel did not compile", extra={"reason": self.kernel_error})
 
-    def _expected_end(self, device_index: int, to_pool: bool, size: int) -> float:
-        """The soonest a copy of `size` bytes enqueued now can end (loop time): after the copies before
-        it in the same direction, at LINK_BYTES_PER_S."""
-        key = (device_index, to_pool)
-        start = max(asyncio.get_running_loop().time(), self._link_busy_until.get(key, 0.0))
-        self._link_busy_until[key] = end = start + size / LINK_BYTES_PER_S
-        return end
-
     def close(self) -> None:
         if self._lanes:  # copies whose callers went with the event loop land before the mappings go
             import torch  # noqa: PLC0415
@@ -246,6 +240,27 @@ class GpuTransfers:
 
 def _same(value: np.ndarray) -> np.ndarray:
     return value
+
+
+@dataclass
+class LinkClock:
+    """The soonest each copy can end, in the event loop's time. A lane's copies run one after another
+    (its streams). Copies on a GPU's other lanes in the same direction share the PCIe link with it:
+    at LINK_BYTES_PER_S shared fairly, each of them moves min(its remaining bytes, this copy's size)
+    before this one ends (processor sharing), so a small copy is not queued behind a large one."""
+
+    _lane_end: dict = field(default_factory=dict)  # lane -> end of its last copy
+    _direction_ends: dict = field(default_factory=dict)  # (device, to pool) -> {lane: end of its last copy}
+
+    def expected_end(self, now: float, lane, to_pool: bool, size: int) -> float:
+        start = max(now, self._lane_end.get(lane, now))
+        sharing = self._direction_ends.setdefault((lane.device, to_pool), {})
+        shared = sum(
+            min(size, (end - start) * LINK_BYTES_PER_S) for other, end in sharing.items() if other != lane and end > start
+        )
+        end = start + (size + shared) / LINK_BYTES_PER_S
+        self._lane_end[lane] = sharing[lane] = end
+        return end
 
 
 async def _landed(launched, expected_end: float) -> None:
