@@ -10,6 +10,9 @@ within minutes), bursts of BURST blocks from 16 threads with O_DIRECT, each from
   fanout      the same, spread over 16 directories (the tier's fan-out)
   xxh3        the same, with the xxh3 of the bytes taken on the thread first (kvtierd.xxh3)
   tier        kvtierd's own fs_format.write_block_file (header, xxh3, O_DIRECT, fsync, rename), 16 dirs
+  recycled    as fanout, but each file is an older block's (written and synced before the round, as
+              a full tier's evicted block would be): renamed to the temporary name, overwritten in
+              place, fsync'd, renamed (the tier does not do this yet; it deletes evicted files)
 A ratio is the paired dd's seconds over the variant's, median over rounds. Writes
 bench/results/fs_file_pattern.json. Usage: python bench/fs_file_pattern.py [--dir DIR] [--rounds N]
 """
@@ -52,6 +55,32 @@ def write_file(root: Path, i: int, *, buffers: list, size: int, temporary: bool,
         os.close(fd)
     if temporary:
         os.rename(path, final)
+
+
+def recycled_file(root: Path, i: int, *, buffers: list) -> None:
+    directory = root / f"{i % 16:x}"
+    final = directory / f"{i}.blk"
+    temporary = final.with_name(f"{final.name}.{secrets.token_hex(6)}.tmp")
+    os.rename(directory / f"old-{i}.blk", temporary)
+    fd = os.open(temporary, os.O_WRONLY | os.O_DIRECT)
+    try:
+        os.pwritev(fd, [memoryview(buffers[i % len(buffers)])[: BLOCK + fs_format.ALIGN]], 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temporary, final)
+
+
+def recycled_burst(buffers: list, root: Path) -> float:
+    """A burst of recycled_file, over BURST older files written and synced first (not timed)."""
+    for i in range(BURST):
+        fd = os.open(root / f"{i % 16:x}" / f"old-{i}.blk", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.pwritev(fd, [memoryview(buffers[0])[: BLOCK + fs_format.ALIGN]], 0)
+        finally:
+            os.close(fd)
+    os.sync()
+    return burst(partial(recycled_file, buffers=buffers), root)
 
 
 def tier_file(root: Path, i: int, *, buffers: list) -> None:
@@ -106,6 +135,7 @@ def main() -> None:
         "fanout": files(BLOCK + fs_format.ALIGN, temporary=True, fanout=True),
         "xxh3": files(BLOCK + fs_format.ALIGN, temporary=True, fanout=True, checksum=True),
         "tier": partial(burst, partial(tier_file, buffers=buffers)),
+        "recycled": partial(recycled_burst, buffers),
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-fs-pattern-") as scratch:
