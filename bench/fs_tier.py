@@ -15,6 +15,11 @@ in one run, plus restart (re-indexing) time for 100k and 1M blocks.
   before that reservation (the copy out of the pool included) until the tier counts every file stored
   (written, fsync'd, renamed). The first round warms the staging buffers and is reported apart
   (`tier_write_first_burst_GBps`).
+- Full tier (`full_tier_*`, also alone with --full-tier-only into fs_tier_full.json): demotion as
+  above into a tier of 2 * BURST blocks, full after two rounds, so each later burst evicts as many
+  blocks and the new blocks are written over their files (no new space to allocate). Paired with a
+  dd burst to a new file and one over a file written before (`dd conv=notrunc`): the fair baseline
+  for writes into allocated space.
 - Write-through: rounds of BURST blocks written into the pool by the client (untimed) and committed in
   one call; timed from the commit until every file is stored.
 - Store and demote (`store_and_demote_GBps`): end to end, two client threads store into a full 256 MiB
@@ -97,10 +102,12 @@ def baseline(directory: Path, data: np.ndarray, total: int, threads: int) -> dic
     return result
 
 
-def timed_write(path: Path, pieces: list[tuple[int, memoryview]], workers: int) -> float:
-    """Seconds to write `pieces` (offset, bytes) to a new file at `path` with O_DIRECT from `workers`
-    threads, then fsync it; the file is left in place."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+def timed_write(path: Path, pieces: list[tuple[int, memoryview]], workers: int, over: bool = False) -> float:
+    """Seconds to write `pieces` (offset, bytes) to a new file at `path` (or with `over`, over the
+    existing file, whose space stays allocated) with O_DIRECT from `workers` threads, then fsync it;
+    the file is left in place."""
+    flags = os.O_WRONLY | os.O_DIRECT | (0 if over else os.O_CREAT | os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
     try:
         with ThreadPoolExecutor(workers) as pool:
             started = time.perf_counter()
@@ -126,12 +133,15 @@ def timed_read(path: Path, blocks: int, workers: int) -> float:
     return seconds
 
 
-def dd_burst(directory: Path, data: np.ndarray, keep_as: Path | None = None) -> float:
-    """Seconds for a dd-style write of BURST blocks (one thread, O_DIRECT, one fsync); the file is then
-    removed, or renamed to `keep_as` (to be read back later)."""
-    path = directory / "dd-burst.bin"
+def dd_burst(directory: Path, data: np.ndarray, keep_as: Path | None = None, over: Path | None = None) -> float:
+    """Seconds for a dd-style write of BURST blocks (one thread, O_DIRECT, one fsync) to a new file,
+    then removed or renamed to `keep_as` (to be read back later); or over the file `over`
+    (`dd conv=notrunc`), which stays."""
+    path = over or directory / "dd-burst.bin"
     os.sync()
-    seconds = timed_write(path, [(i * BLOCK, memoryview(data[i % len(data)])) for i in range(BURST)], 1)
+    seconds = timed_write(path, [(i * BLOCK, memoryview(data[i % len(data)])) for i in range(BURST)], 1, over=over is not None)
+    if over is not None:
+        return seconds
     if keep_as is None:
         path.unlink()
     else:
@@ -250,6 +260,50 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
     finally:
         stop_daemon(daemon)
         shutil.rmtree(fs_dir, ignore_errors=True)
+
+
+def full_tier_demotion(directory: Path, data: np.ndarray, rounds: int, threads: int) -> dict:
+    """Demotion into a full tier, as in steady state: the tier holds 2 * BURST blocks, so from the third
+    round on each burst of BURST demotions evicts as many blocks, whose files the new blocks are
+    written over. Timed like `demotion`; each timed round is paired with a dd burst to a new file and
+    one over a file dd wrote before (its space allocated, like the evicted blocks' files)."""
+    fs_dir = directory / "full"
+    daemon = fs_daemon(fs_dir, BURST, 2 * BURST, threads)
+    over = directory / "dd-over.bin"
+    dd_burst(directory, data, keep_as=over)
+    try:
+        with KVTierClient(daemon.address, engine_name="bench", timeout=600) as client:
+            ns = client.register(spec(block_bytes=BLOCK))
+            hashes = chain_hashes("fs-bench-full", 2 * (rounds + 2) * BURST)
+            seconds, dd_seconds, dd_over_seconds = [], [], []
+            for first in range(0, len(hashes), 2 * BURST):
+                store(client, ns, hashes, data, first, first + BURST)  # fills the pool; nothing is evicted
+                dd_seconds.append(dd_burst(directory, data))
+                dd_over_seconds.append(dd_burst(directory, data, over=over))
+                os.sync()
+                started = time.perf_counter()
+                reservation = client.reserve(ns, hashes[first + BURST : first + 2 * BURST])
+                stats = wait_stored(daemon, first // 2 + BURST)
+                seconds.append(time.perf_counter() - started)
+                client.abort(reservation.id)
+            assert stats.blocks == 2 * BURST and stats.evictions == rounds * BURST, stats
+            on_disk = hashes[-2 * BURST : -BURST]  # the last round's blocks
+            loaded = client.load(ns, on_disk[:8])
+            assert np.array_equal(loaded, contents_of(data, hashes, on_disk[:8]))
+        timed = slice(2, None)  # the first two rounds fill the tier
+        return {
+            "full_tier_write_GBps": rounds * BURST * BLOCK / sum(seconds[timed]) / GB,
+            "full_tier_paired_dd_write_GBps": rounds * BURST * BLOCK / sum(dd_seconds[timed]) / GB,
+            "full_tier_paired_dd_overwrite_GBps": rounds * BURST * BLOCK / sum(dd_over_seconds[timed]) / GB,
+            "full_tier_write_ratio": sum(dd_seconds[timed]) / sum(seconds[timed]),
+            "full_tier_write_ratio_to_overwrite": sum(dd_over_seconds[timed]) / sum(seconds[timed]),
+            "full_tier_write_ratio_by_round": [d / t for d, t in zip(dd_seconds[timed], seconds[timed], strict=True)],
+            "full_tier_rounds": rounds,
+        }
+    finally:
+        stop_daemon(daemon)
+        shutil.rmtree(fs_dir, ignore_errors=True)
+        over.unlink(missing_ok=True)
 
 
 def contents_of(data: np.ndarray, hashes: list[bytes], wanted: list[bytes]) -> np.ndarray:
@@ -400,6 +454,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp"), help="a directory on the disk to measure")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--io-threads", type=int, default=16)
+    parser.add_argument("--full-tier-only", action="store_true", help="only the full tier's demotion (fs_tier_full.json)")
     args = parser.parse_args()
     count = 256 if args.quick else 2048  # blocks of 2 MiB: 4 GiB, 16x the pool; 8 timed rounds
     restarts = (10_000,) if args.quick else (100_000, 1_000_000)
@@ -412,8 +467,15 @@ def main() -> None:
         data = aligned_empty(32 * BLOCK).reshape(32, BLOCK)  # O_DIRECT writes of the baselines need aligned bytes
         data[:] = contents(chain_hashes("fs-bench-data", 32), BLOCK)
         result: dict = {"block_bytes": BLOCK, "data_bytes": count * BLOCK, "io_threads": args.io_threads}
+        if args.full_tier_only:
+            result = {"block_bytes": BLOCK, "io_threads": args.io_threads}
+            result |= full_tier_demotion(directory, data, count // BURST // 2, args.io_threads)
+            command = "python bench/fs_tier.py " + " ".join(sys.argv[1:])
+            print(write_result("fs_tier_full", result, command.strip()).read_text())
+            return
         result |= baseline(directory, data, count * BLOCK, args.io_threads)
         result |= demotion(directory, data, count, args.io_threads)
+        result |= full_tier_demotion(directory, data, count // BURST // 2, args.io_threads)
         result |= write_through(directory, data, count, args.io_threads)
         result |= streaming(directory, data, count, args.io_threads, clients=2)
         write_base = max(result["dd_write_GBps"], result["parallel_write_GBps"])

@@ -17,11 +17,14 @@ verifies them and commits the reservation. A block that fails (bad checksum, tru
 dropped from both tiers, so the prefix ends before it.
 
 A block is written to a temporary file on an I/O thread, fsync'd there and renamed into place
-(fs_format.write_block_file), and enters the index after that, so the index never claims a block
-whose bytes a crash could lose. Its directory is fsync'd later, before the next index file names it
-(save_index): until then a power cut may undo the rename, which loses only the block. (Grouping the
-fsyncs into commit jobs, with a directory fsync each, ran slower on this VM's journal-less ext4:
-with no journal there is no commit to share, and each extra fsync writes an inode synchronously.)
+(fs_format.write_block_file; the temporary file is the file of a block the tier evicted to make
+room, when there is one that no read has open: on a virtual disk, rewriting a file whose space is
+allocated is far faster than a new one), and enters the index after that, so the index never
+claims a block whose bytes a crash could lose. Its directory is fsync'd later, before the next
+index file names it (save_index): until then a power cut may undo the rename, which loses only the
+block. (Grouping the fsyncs into commit jobs, with a directory fsync each, ran slower on this VM's
+journal-less ext4: with no journal there is no commit to share, and each extra fsync writes an
+inode synchronously.)
 
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
@@ -125,6 +128,7 @@ class FsTier:
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self._unsynced: set[Path] = set()  # fan-out directories with renames not yet fsync'd
+        self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._saved_changes = -1  # index.changes when the index file was last written
 
     # ------------------------------------------------------------------ start and stop
@@ -244,7 +248,8 @@ class FsTier:
             for block in reservation.blocks:
                 self._promotions[(ns.id, block.hash)] = loop.create_future()
             outcomes = await asyncio.gather(
-                *(self._run(self._read_into_pool, ns, block) for block in reservation.blocks), return_exceptions=True
+                *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
+                return_exceptions=True,
             )
             self._promoted(ns, reservation, outcomes)
         if waits:
@@ -331,20 +336,26 @@ class FsTier:
             self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
             job = _Write(ns, block.hash, time.time())
             self._writes[(ns.id, block.hash)] = job
-            future = self._run(self._write_file, job, checksum, buffer, [self._path(v) for v in victims])
+            evicted = [self._path(v) for v in victims]
+            reuse = next((path for path in evicted if not self._reading[path]), None)
+            future = self._run(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
             future.add_done_callback(partial(self._written, job, buffer))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
 
-    def _write_file(self, job: _Write, checksum: int, buffer: np.ndarray, evicted: list[Path]) -> None:
-        _unlink_all(evicted)  # first, so the files on disk never exceed --fs-size
+    def _write_file(self, job: _Write, checksum: int, buffer: np.ndarray, reuse: Path | None, evicted: list[Path]) -> None:
+        """Write the block over the evicted file `reuse` (if any), after removing the other `evicted`
+        (first, so the files on disk never exceed --fs-size)."""
+        _unlink_all(evicted)
         ns = job.namespace
         if ns.id not in self._spec_written:
             write_spec(self.root, ns.spec)
             self._spec_written.add(ns.id)
         path = self._path_of(ns.id, job.hash)
-        write_block_file(path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, [memoryview(buffer)], self.direct)
+        write_block_file(
+            path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, [memoryview(buffer)], self.direct, reuse=reuse
+        )
 
     def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
         """The block's file is durable under its name (or its write failed): its staging buffer goes
@@ -412,7 +423,9 @@ class FsTier:
         buffer = aligned_empty(align_up(ns.block_bytes))
         path = self._path_of(ns.id, block_hash)
         try:
-            header = await self._run(read_block, path, ns.id, block_hash, ns.block_bytes, [memoryview(buffer)], self.direct)
+            header = await self._read(
+                path, read_block, path, ns.id, block_hash, ns.block_bytes, [memoryview(buffer)], self.direct
+            )
         except (OSError, BadBlock) as exc:
             self._read_failed(ns, block_hash, exc)
             raise NotFound(f"block {block_hash.hex()} could not be read intact from disk and was dropped: {exc}") from exc
@@ -441,6 +454,18 @@ class FsTier:
     def _remove_files(self, entries: list[FsEntry]) -> None:
         if entries:
             self._run(_unlink_all, [self._path(e) for e in entries])
+
+    def _read(self, path: Path, function, *args) -> asyncio.Future:
+        """`_run` a read of the file `path`, which is not reused for another block meanwhile."""
+        self._reading[path] += 1
+        future = self._run(function, *args)
+        future.add_done_callback(partial(self._done_reading, path))
+        return future
+
+    def _done_reading(self, path: Path, _: asyncio.Future) -> None:
+        self._reading[path] -= 1
+        if not self._reading[path]:
+            del self._reading[path]
 
     def _run(self, function, *args) -> asyncio.Future:
         future = asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
