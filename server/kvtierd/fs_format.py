@@ -17,8 +17,9 @@ written with O_DIRECT (so data reads can be direct too), else right after the he
 
 A block is written to a `.tmp` name, fsync'd and renamed into place (write_block_file): a crash at
 any moment leaves no file (maybe a stray .tmp, removed at the next start) or the complete block.
-The `.tmp` may be an evicted block's file, renamed to it and overwritten in place: its space is
-already allocated, which a virtual disk writes much faster than a new file's (bench/fs_file_pattern:
+The `.tmp` may be an evicted block's file, renamed to it (the rename made durable by fsyncing the
+old name's directory, so a power cut cannot bring the old name back over new bytes) and overwritten
+in place: its space is already allocated, which a virtual disk writes much faster than a new file's (bench/fs_file_pattern:
 1.5x dd's new file where a new file per block reached 0.85-0.9). The
 directory is not fsync'd per block: a power cut may undo a recent rename, which only loses that block.
 The tier fsyncs the directories that gained names before it writes an index file that names them
@@ -262,6 +263,7 @@ def _open_temporary(temporary: Path, reuse: Path | None, flags: int) -> int:
         except FileNotFoundError:
             pass  # removed meanwhile (by hand, or its namespace cleared): a new file
         else:
+            fsync_directory(reuse.parent)  # the old name is gone for good before its bytes are overwritten
             return os.open(temporary, flags)
     return os.open(temporary, flags | os.O_CREAT | os.O_EXCL, 0o600)
 

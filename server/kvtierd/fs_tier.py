@@ -241,17 +241,22 @@ class FsTier:
         intact is left out (so a prefix ends before it)."""
         waits = [self._promotions[(ns.id, h)] for h in hashes if (ns.id, h) in self._promotions]
         wanted = [h for h in hashes if h not in ns.blocks and (ns.id, h) not in self._promotions]
-        reservation = self.store.reserve(_PROMOTER, ns, wanted, admit_all=True).reservation if wanted else None
-        if reservation is not None:
-            reservation.expires_at = float("inf")  # threads write into its pages until their reads return
-            loop = asyncio.get_running_loop()
-            for block in reservation.blocks:
-                self._promotions[(ns.id, block.hash)] = loop.create_future()
-            outcomes = await asyncio.gather(
-                *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
-                return_exceptions=True,
-            )
-            self._promoted(ns, reservation, outcomes)
+        paths = [self._path_of(ns.id, h) for h in wanted]
+        self._reading.update(paths)  # the reservation's evictions must not write over the files to read
+        try:
+            reservation = self.store.reserve(_PROMOTER, ns, wanted, admit_all=True).reservation if wanted else None
+            if reservation is not None:
+                reservation.expires_at = float("inf")  # threads write into its pages until their reads return
+                loop = asyncio.get_running_loop()
+                for block in reservation.blocks:
+                    self._promotions[(ns.id, block.hash)] = loop.create_future()
+                outcomes = await asyncio.gather(
+                    *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
+                    return_exceptions=True,
+                )
+                self._promoted(ns, reservation, outcomes)
+        finally:
+            self._unread(paths)  # (each read holds its own file until it returns)
         if waits:
             await asyncio.gather(*waits)
 
@@ -346,16 +351,21 @@ class FsTier:
 
     def _write_file(self, job: _Write, checksum: int, buffer: np.ndarray, reuse: Path | None, evicted: list[Path]) -> None:
         """Write the block over the evicted file `reuse` (if any), after removing the other `evicted`
-        (first, so the files on disk never exceed --fs-size)."""
+        (first, so the files on disk never exceed --fs-size). A failed write leaves no file of either."""
         _unlink_all(evicted)
         ns = job.namespace
-        if ns.id not in self._spec_written:
-            write_spec(self.root, ns.spec)
-            self._spec_written.add(ns.id)
-        path = self._path_of(ns.id, job.hash)
-        write_block_file(
-            path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, [memoryview(buffer)], self.direct, reuse=reuse
-        )
+        try:
+            if ns.id not in self._spec_written:
+                write_spec(self.root, ns.spec)
+                self._spec_written.add(ns.id)
+            path = self._path_of(ns.id, job.hash)
+            write_block_file(
+                path, ns.id, job.hash, ns.block_bytes, checksum, job.created_at, [memoryview(buffer)], self.direct, reuse=reuse
+            )
+        except BaseException:
+            if reuse is not None:
+                _unlink(reuse)  # (gone already if it became the temporary file, which the failed write removed)
+            raise
 
     def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
         """The block's file is durable under its name (or its write failed): its staging buffer goes
@@ -459,13 +469,14 @@ class FsTier:
         """`_run` a read of the file `path`, which is not reused for another block meanwhile."""
         self._reading[path] += 1
         future = self._run(function, *args)
-        future.add_done_callback(partial(self._done_reading, path))
+        future.add_done_callback(lambda _: self._unread([path]))
         return future
 
-    def _done_reading(self, path: Path, _: asyncio.Future) -> None:
-        self._reading[path] -= 1
-        if not self._reading[path]:
-            del self._reading[path]
+    def _unread(self, paths: list[Path]) -> None:
+        self._reading.subtract(paths)
+        for path in paths:
+            if not self._reading[path]:
+                del self._reading[path]
 
     def _run(self, function, *args) -> asyncio.Future:
         future = asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
