@@ -328,12 +328,13 @@ def test_eviction_keeps_the_tier_under_its_size(fs_daemons):
             assert stats.capacity_bytes == 4 << 20
 
 
-def test_a_full_tier_writes_new_blocks_over_the_files_of_the_blocks_it_evicts(fs_daemons):
+@pytest.mark.parametrize("direct_io", ["false", "true"])
+def test_a_full_tier_writes_new_blocks_over_the_files_of_the_blocks_it_evicts(fs_daemons, direct_io):
     """The file of a block the tier evicts is renamed, rewritten in place for the next block and renamed
     to that block's name (its space already allocated): a hard link taken to an old file sees another
-    block's bytes afterwards. Every file left reads back intact, at its exact size, with the block the
-    pool stored."""
-    daemon = fs_daemons("--fs-size", "4MiB")
+    block's bytes afterwards. Then blocks of half the size go over the larger files. Every file left
+    reads back intact, at its exact size, with the block the pool stored."""
+    daemon = fs_daemons("--fs-size", "4MiB", "--fs-direct-io", direct_io)
     links = daemon.directory / "links"
     links.mkdir()
     with KVTierClient(daemon.address) as client:
@@ -352,15 +353,34 @@ def test_a_full_tier_writes_new_blocks_over_the_files_of_the_blocks_it_evicts(fs
                 for path in (daemon.directory / "fs" / ns.id).rglob("*.kvb"):
                     (links / path.name).hardlink_to(path)
                     taken[path.name] = path.read_bytes()
-    assert any((links / name).read_bytes() != old for name, old in taken.items())  # rewritten in place
-    files = list((daemon.directory / "fs" / ns.id).rglob("*.kvb"))
-    assert len(files) == fs_stats(daemon).blocks == 15
-    for path in files:
-        block_hash = bytes.fromhex(path.name.removesuffix(".kvb"))
-        data = fs_format.aligned_empty(BLOCK)
-        header = fs_format.read_block(path, ns.id, block_hash, BLOCK, [memoryview(data)], direct=False)
-        assert path.stat().st_size == header.data_offset + BLOCK
-        assert np.array_equal(data, block_content(block_hash, BLOCK)) and block_hash in stored
+        assert any((links / name).read_bytes() != old for name, old in taken.items())  # rewritten in place
+        assert len(list((daemon.directory / "fs" / ns.id).rglob("*.kvb"))) == fs_stats(daemon).blocks == 15
+        small = client.register(spec(block_bytes=BLOCK // 2, model_id="smaller"))
+        hashes = chain_hashes("recycle-small", 96)
+        for start in range(0, 96, 16):  # the pool's large blocks go to disk first, then small ones
+            client.store(small, hashes[start : start + 16], contents(hashes[start : start + 16], BLOCK // 2))
+            settled(daemon)
+    checked = 0
+    for namespace, length in ((ns, BLOCK), (small, BLOCK // 2)):
+        for path in (daemon.directory / "fs" / namespace.id).rglob("*.kvb"):
+            block_hash = bytes.fromhex(path.name.removesuffix(".kvb"))
+            data = fs_format.aligned_empty(length)
+            header = fs_format.read_block(path, namespace.id, block_hash, length, [memoryview(data)], direct=False)
+            assert path.stat().st_size == header.data_offset + length  # a larger file's tail cut off
+            assert np.array_equal(data, block_content(block_hash, length))
+            assert block_hash in stored or block_hash in hashes
+            checked += 1
+    assert checked == fs_stats(daemon).blocks and len(list((daemon.directory / "fs" / small.id).rglob("*.kvb"))) > 8
+
+
+def settled(daemon: DaemonProcess, quiet: float = 0.3, timeout: float = 10.0) -> None:
+    """Wait until the tier has stored no further block for `quiet` seconds (demotions done)."""
+    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline
+        if (stored := fs_stats(daemon).stored_blocks) != last:
+            last, since = stored, time.monotonic()
+        time.sleep(0.01)
 
 
 def _can_mount_tmpfs() -> bool:
