@@ -184,6 +184,19 @@ def wait_stored(daemon, blocks: int) -> pb.TierStats:
     return stats
 
 
+def timed_eviction(client, daemon, ns, hashes: list[bytes], stored: int) -> tuple[float, pb.TierStats]:
+    """From a synced filesystem, seconds from a reservation of `hashes` (which evicts the full pool's
+    blocks) until the tier counts `stored` blocks stored; the reservation is then aborted, so the pool
+    is empty again and every block is on disk only."""
+    os.sync()
+    started = time.perf_counter()
+    reservation = client.reserve(ns, hashes)
+    stats = wait_stored(daemon, stored)
+    seconds = time.perf_counter() - started
+    client.abort(reservation.id)
+    return seconds, stats
+
+
 def fs_daemon(fs_dir: Path, pool_blocks: int, disk_blocks: int, threads: int, *args: str):
     return start_daemon(
         *("--pool-size", str(pool_blocks * BLOCK), "--fs-path", str(fs_dir), "--fs-size", str(disk_blocks * (BLOCK + 4096))),
@@ -220,12 +233,8 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
                 assert fs_stats(daemon).stored_blocks == demoted
                 dd_files.append(directory / f"dd-read-{len(dd_files)}.bin")
                 dd_seconds.append(dd_burst(directory, data, keep_as=dd_files[-1]))
-                os.sync()
-                started = time.perf_counter()
-                reservation = client.reserve(ns, hashes[first + BURST : first + 2 * BURST])
-                stats = wait_stored(daemon, demoted + BURST)
-                seconds.append(time.perf_counter() - started)
-                client.abort(reservation.id)  # the pool is empty again: every block is on disk only
+                took, stats = timed_eviction(client, daemon, ns, hashes[first + BURST : first + 2 * BURST], demoted + BURST)
+                seconds.append(took)
             assert stats.stored_blocks == stats.blocks == count + BURST, stats
             drop_from_page_cache(fs_dir)
             on_disk = [h for i in range(0, len(hashes), 2 * BURST) for h in hashes[i : i + BURST]][BURST:]
@@ -280,12 +289,8 @@ def full_tier_demotion(directory: Path, data: np.ndarray, rounds: int, threads: 
                 store(client, ns, hashes, data, first, first + BURST)  # fills the pool; nothing is evicted
                 dd_seconds.append(dd_burst(directory, data))
                 dd_over_seconds.append(dd_burst(directory, data, over=over))
-                os.sync()
-                started = time.perf_counter()
-                reservation = client.reserve(ns, hashes[first + BURST : first + 2 * BURST])
-                stats = wait_stored(daemon, first // 2 + BURST)
-                seconds.append(time.perf_counter() - started)
-                client.abort(reservation.id)
+                took, stats = timed_eviction(client, daemon, ns, hashes[first + BURST : first + 2 * BURST], first // 2 + BURST)
+                seconds.append(took)
             assert stats.blocks == 2 * BURST and stats.evictions == rounds * BURST, stats
             on_disk = hashes[-2 * BURST : -BURST]  # the last round's blocks
             loaded = client.load(ns, on_disk[:8])
