@@ -207,16 +207,11 @@ class DataService(pb_grpc.KVTierServicer):
             registration.check_blocks(targets)
             expected = self.store.checksum[lease.slots]
             response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
-
-            def verify(copied: np.ndarray) -> np.ndarray:  # the moment the bytes are seen in place
-                bad = checksum.mismatched(copied, expected)
-                if answer_now is not None and not bad.any():
-                    answer_now(response)
-                return bad
-
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                bad = await self.gpu.load(registration, targets, pages, then=verify)
+                bad = checksum.mismatched(await self.gpu.load(registration, targets, pages), expected)
+                if answer_now is not None and not bad.any():
+                    answer_now(response)  # the moment the bytes are seen in place
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
             if bad.any():
                 self.metrics.cuda_checksum_failures.inc(int(bad.sum()))

@@ -9,8 +9,8 @@ event loop enqueues each copy itself (a few hundred microseconds of numpy and la
 hand-off before the bytes start moving) and watches it by hybrid polling, as the kernel's block
 layer does for fast disks: it sleeps until shortly before the copy can have ended (`LinkClock`),
 then checks the copy's event on every turn of the loop, serving other calls in between, until it
-is done. No thread wakes up and no lock changes hands between the last byte and `then`, which runs
-on the loop the moment the copy is seen done (a load answers from there); the cost is the loop
+is done. No thread wakes up and no lock changes hands between the last byte and the caller, which
+goes on the moment the copy is seen done (a load answers from there); the cost is the loop
 spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
 milliseconds) until it is seen done.
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
@@ -25,9 +25,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
@@ -42,7 +40,6 @@ LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before
 POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
 FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
-T = TypeVar("T")
 
 
 @dataclass
@@ -145,16 +142,14 @@ class GpuTransfers:
 
     async def store(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
         """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
-        return await self._run(registration, block_ids, page_ids, to_pool=True, then=_same)
+        return await self._run(registration, block_ids, page_ids, to_pool=True)
 
-    async def load(
-        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, then: Callable[[np.ndarray], T]
-    ) -> T:
-        """Copy pool blocks into engine blocks; `then(checksums of what was copied)`, called as soon as
-        the bytes are seen in place."""
-        return await self._run(registration, block_ids, page_ids, to_pool=False, then=then)
+    async def load(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+        """Copy pool blocks into engine blocks; the checksums of what was copied, as soon as the bytes
+        are seen in place."""
+        return await self._run(registration, block_ids, page_ids, to_pool=False)
 
-    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, then):
+    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
         """Enqueue the copy and poll it (see the module's notes); the registration stays open until it has ended."""
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
@@ -170,7 +165,7 @@ class GpuTransfers:
             except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
                 await _settled(landed)
                 raise
-            return then(launched.checksums())
+            return launched.checksums()
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
@@ -236,10 +231,6 @@ class GpuTransfers:
                 torch.cuda.synchronize(device_index)
         for registration in list(self._registrations.values()):
             self._close(registration)
-
-
-def _same(value: np.ndarray) -> np.ndarray:
-    return value
 
 
 @dataclass
