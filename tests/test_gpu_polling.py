@@ -70,6 +70,27 @@ def test_a_copy_running_long_is_checked_sparsely(monkeypatch):
     assert 10 <= len(late) <= 120  # about one check per millisecond, not one per turn of the loop
 
 
+def test_a_cancelled_caller_still_waits_for_its_copy_then_is_cancelled():
+    # the caller's deadline passes during the copy: the copy still owns its pages, so the caller
+    # goes on (and its pages can be freed) only once the copy is done, and then sees the cancellation
+    async def main():
+        loop = asyncio.get_running_loop()
+        copy = CopyEndingAt(loop.time() + 0.030)
+        waiter = asyncio.ensure_future(_landed(copy, expected_end=loop.time() + 0.002))
+        await asyncio.sleep(0.005)
+        waiter.cancel()
+        await asyncio.sleep(0.005)
+        waiter.cancel()  # a second cancellation is held back too
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            return copy, loop.time()
+        raise AssertionError("the cancellation was lost")
+
+    copy, ended = uvloop.run(main())
+    assert copy.checks[-1] >= copy.end and ended >= copy.end
+
+
 @dataclass(frozen=True)
 class Lane:
     """What LinkClock asks of gpu_copy.CopyLane: a key, and its device."""

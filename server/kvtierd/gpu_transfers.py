@@ -158,13 +158,7 @@ class GpuTransfers:
             lane = next(self._lanes[registration.device_index])
             launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
             size = len(block_ids) * registration.layout.template.block_bytes
-            expected_end = self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size)
-            landed = asyncio.ensure_future(_landed(launched, expected_end))
-            try:
-                await asyncio.shield(landed)
-            except asyncio.CancelledError:  # the caller gave up (deadline): the copy still owns its pages
-                await _settled(landed)
-                raise
+            await _landed(launched, self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size))
             return launched.checksums()
         finally:
             registration.in_flight -= 1
@@ -256,22 +250,24 @@ class LinkClock:
 
 async def _landed(launched, expected_end: float) -> None:
     """Sleep until shortly before `expected_end`, then poll the copy on every turn of the loop (for up
-    to FAST_POLL_S past it), then every SLOW_POLL_S, until it is done."""
+    to FAST_POLL_S past it), then every SLOW_POLL_S, until it is done. It polls in the caller's own
+    task (the caller goes on in the turn that sees the copy done); a cancellation meanwhile (the
+    caller's deadline) is held back until then, because the copy still owns its pages."""
     loop = asyncio.get_running_loop()
+    cancelled = False
     if expected_end - POLL_EARLY_S > loop.time():
-        await asyncio.sleep(expected_end - POLL_EARLY_S - loop.time())
+        try:
+            await asyncio.sleep(expected_end - POLL_EARLY_S - loop.time())
+        except asyncio.CancelledError:
+            cancelled = True
     fast_until = max(loop.time(), expected_end) + FAST_POLL_S
     while not launched.finished():
-        await asyncio.sleep(0 if loop.time() < fast_until else SLOW_POLL_S)
-
-
-async def _settled(future: asyncio.Future) -> None:
-    """Wait for `future` to finish whatever happens to the waiter meanwhile."""
-    while not future.done():
         try:
-            await asyncio.shield(future)
-        except BaseException:  # noqa: BLE001 (its own error, or our cancellation: keep waiting)
-            pass
+            await asyncio.sleep(0 if loop.time() < fast_until else SLOW_POLL_S)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _cuda_torch():
