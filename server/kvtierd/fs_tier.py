@@ -22,9 +22,10 @@ room, when there is one that no read has open: on a virtual disk, rewriting a fi
 allocated is far faster than a new one), and enters the index after that, so the index never
 claims a block whose bytes a crash could lose. Its directory is fsync'd later, before the next
 index file names it (save_index): until then a power cut may undo the rename, which loses only the
-block. (Grouping the fsyncs into commit jobs, with a directory fsync each, ran slower on this VM's
-journal-less ext4: with no journal there is no commit to share, and each extra fsync writes an
-inode synchronously.)
+block. So is the directory of every file removed (evicted, deleted, corrupt), so that a file the
+index file no longer lists cannot come back. (Grouping the fsyncs into commit jobs, with a
+directory fsync each, ran slower on this VM's journal-less ext4: with no journal there is no commit
+to share, and each extra fsync writes an inode synchronously.)
 
 A failing disk (full, read-only, I/O errors) pauses stores for PAUSE_SECONDS with one logged error per
 pause and a metric; reads and the RAM tier go on.
@@ -127,7 +128,7 @@ class FsTier:
         self._promotions: dict[Key, asyncio.Future] = {}
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
-        self._unsynced: set[Path] = set()  # fan-out directories with renames not yet fsync'd
+        self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._saved_changes = -1  # index.changes when the index file was last written
 
@@ -161,8 +162,9 @@ class FsTier:
                 specs.append(scanned.spec)
                 strays += scanned.strays
                 listed += scanned.listed
-        excess = self.index.over_capacity()
-        list(self.executor.map(_unlink, [self._path(e) for e in excess]))
+        excess = [self._path(e) for e in self.index.over_capacity()]
+        _unlink_all(excess)
+        self._unsynced.update(path.parent for path in excess)
         log.info(
             "fs tier indexed",
             extra={
@@ -200,8 +202,8 @@ class FsTier:
     async def save_index(self) -> None:
         """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
         mtimes are taken first, then those with writes in flight are left out, then the hashes copied,
-        then the directories renamed into since the last index file are fsync'd, so every name the file
-        records is durable."""
+        then the directories renamed into or removed from since the last index file are fsync'd, so
+        the names on disk are those the file records."""
         changes = self.index.changes
         if changes == self._saved_changes:
             return
@@ -297,7 +299,7 @@ class FsTier:
         elif isinstance(exc, BadBlock):
             self.index.counters[ns.id].checksum_failures += 1
             log.warning("fs block file corrupt; deleted", extra=fields)
-            self._run(_unlink, self._path_of(ns.id, block_hash))
+            self._remove([self._path_of(ns.id, block_hash)])
         elif isinstance(exc, OSError):
             self.health.read_errors += 1
             log.warning("fs block read failed; dropped", extra=fields)
@@ -344,7 +346,7 @@ class FsTier:
             evicted = [self._path(v) for v in victims]
             reuse = next((path for path in evicted if not self._reading[path]), None)
             future = self._run(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
-            future.add_done_callback(partial(self._written, job, buffer))
+            future.add_done_callback(partial(self._written, job, buffer, evicted))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
@@ -367,10 +369,12 @@ class FsTier:
                 _unlink(reuse)  # (gone already if it became the temporary file, which the failed write removed)
             raise
 
-    def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
-        """The block's file is durable under its name (or its write failed): its staging buffer goes
-        back, and the block is indexed unless it was deleted meanwhile."""
+    def _written(self, job: _Write, buffer: np.ndarray, evicted: list[Path], future: asyncio.Future) -> None:
+        """The block's file is durable under its name (or its write failed), and the files `evicted` for
+        it are gone (one of them may have become it): its staging buffer goes back, and the block is
+        indexed unless it was deleted meanwhile."""
         self.staging.give_back(buffer)
+        self._unsynced.update(path.parent for path in evicted)
         ns = job.namespace
         del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
@@ -379,7 +383,7 @@ class FsTier:
             if exc is not None:
                 self._write_failed(exc)
             else:
-                self._run(_unlink, self._path_of(ns.id, job.hash))
+                self._remove([self._path_of(ns.id, job.hash)])
             return
         self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
         self.index.counters[ns.id].stored_blocks += 1
@@ -463,7 +467,12 @@ class FsTier:
 
     def _remove_files(self, entries: list[FsEntry]) -> None:
         if entries:
-            self._run(_unlink_all, [self._path(e) for e in entries])
+            self._remove([self._path(e) for e in entries])
+
+    def _remove(self, paths: list[Path]) -> None:
+        """Unlink files on an I/O thread; their directories are fsync'd before the next index file."""
+        future = self._run(_unlink_all, paths)
+        future.add_done_callback(lambda _: self._unsynced.update(path.parent for path in paths))
 
     def _read(self, path: Path, function, *args) -> asyncio.Future:
         """`_run` a read of the file `path`, which is not reused for another block meanwhile."""

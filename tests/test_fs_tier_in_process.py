@@ -1,0 +1,130 @@
+"""The filesystem tier in process, with the real pool, block store, tier and files, for what a test
+must order (the tier's I/O threads held at a gate) or watch (the directories the tier fsyncs)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import uvloop
+from blocks import block_content, chain_hashes, contents, spec
+
+from kvtier import checksum
+from kvtier.pool_view import decode_page_ids
+from kvtierd import fs_tier
+from kvtierd.block_store import BlockStore, Namespace
+from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
+from kvtierd.fs_tier import FsSettings, FsTier
+from kvtierd.shm_pool import SharedPool
+
+BLOCK = 64 << 10  # one pool page; the pool holds four blocks, the tier two
+
+
+@dataclass
+class Tiers:
+    pool: SharedPool
+    store: BlockStore
+    fs: FsTier
+    ns: Namespace
+
+    async def put(self, block_hash: bytes, on_disk: int) -> None:
+        """Store a block in the pool, and wait until `on_disk` blocks are on disk (its victim's demotion)."""
+        data = contents([block_hash], BLOCK)
+        reservation = self.store.reserve("s", self.ns, [block_hash]).reservation
+        self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, self.ns.pages_per_block), data)
+        self.store.commit("s", reservation.id, checksum.block_checksums(data))
+        while len(self.fs.index) < on_disk:
+            await asyncio.sleep(0.005)
+
+    async def settle(self) -> None:
+        while self.fs._jobs:
+            await asyncio.wait(set(self.fs._jobs))
+
+    def path(self, block_hash: bytes) -> Path:
+        return block_path(self.fs.root, self.ns.id, block_hash)
+
+
+def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> None:
+    shm_dir = Path("/dev/shm") / tmp_path.name
+    pool = SharedPool(shm_dir, "kvt-in-process-", 4 * BLOCK, BLOCK, 0o600)
+
+    async def main() -> None:
+        store = BlockStore(num_pages=4, page_size=BLOCK)
+        settings = FsSettings(tmp_path / "fs", 2 * charged_bytes(BLOCK), "lru", False, 2, False, 8 * BLOCK, 3600.0)
+        fs = FsTier(settings, pool, store)
+        fs.open()
+        store.on_evict = fs.on_evict
+        tiers = Tiers(pool, store, fs, store.register(spec(block_bytes=BLOCK)))
+        try:
+            await body(tiers)
+        finally:
+            await fs.close(timeout=5)
+
+    try:
+        uvloop.run(main())
+    finally:
+        pool.close()
+        shm_dir.rmdir()
+
+
+def test_a_file_being_read_is_not_written_over_for_another_block(tmp_path):
+    """A promotion's read of block A is still to run when the demotion that its own reservation
+    causes needs room on the full disk and evicts A: the demotion must write a new file instead of
+    rewriting A's (a reader that had A open would read another block's bytes, and drop A as corrupt)."""
+    a, b, c, d, e, f = chain_hashes("reading", 6)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk, then B: the tier is full, A its least recently used
+        await t.put(f, 2)
+        link = tmp_path / "a.link"
+        link.hardlink_to(t.path(a))
+        gate = threading.Event()
+        held = [t.fs.executor.submit(gate.wait) for _ in range(t.fs.settings.io_threads)]
+        promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))  # its reservation evicts C; C's demotion evicts A
+        await asyncio.sleep(0.05)
+        assert t.fs.index.get(t.ns.id, a) is None and t.fs.index.inflight_bytes > 0  # A evicted, C's write waiting
+        gate.set()
+        await promotion
+        await t.settle()
+        assert all(h.done() for h in held)
+        assert np.array_equal(np.fromfile(link, dtype=np.uint8)[-BLOCK:], block_content(a, BLOCK))  # A's file kept its bytes
+        assert t.fs.index.counters[t.ns.id].checksum_failures == 0
+        data = aligned_empty(BLOCK)
+        read_block(t.path(c), t.ns.id, c, BLOCK, [memoryview(data)], direct=False)
+        assert np.array_equal(data, block_content(c, BLOCK))  # C written in full, to a file of its own
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_directory_that_only_loses_a_file_is_fsynced_before_the_next_index_file(tmp_path, monkeypatch):
+    """Otherwise a power cut could bring back a file that the index file no longer lists."""
+    synced: list[Path] = []
+
+    def fsync_directory(path: Path) -> None:
+        synced.append(path)
+        real_fsync_directory(path)
+
+    real_fsync_directory = fs_tier.fsync_directory
+    monkeypatch.setattr(fs_tier, "fsync_directory", fsync_directory)
+    a, b, c, d, e = chain_hashes("durable", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        await t.fs.save_index()
+        assert t.path(a).parent in synced  # the rename into it
+        synced.clear()
+        t.fs.delete(t.ns.id, [a])
+        await t.settle()
+        assert not t.path(a).exists()
+        await t.fs.save_index()
+        assert synced == [t.path(a).parent]
+
+    run_with_tiers(tmp_path, body)
