@@ -83,15 +83,21 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     monkeypatch.setattr(gpu_copy, "MAX_GRID_BLOCKS", 3)  # every kernel copy in launches of 3 blocks or fewer
 
     stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback)
+    # eight more blocks where blocks 5 and 6 have their pages in reverse order (a fragmented pool)
+    mixed_pages = order[n * per_block : (n + 8) * per_block].reshape(8, per_block).astype(np.uint32)
+    mixed_pages[5:7] = mixed_pages[5:7, ::-1]
+    mixed_stored = kv.to_pool(pool, mixed_pages, list(range(8)))
     with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the engine's link thread starts
         loaded = fresh.submit(kv.from_pool, pool, page_ids, list(range(16, 16 + n))).result()
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
     device = next(iter(views.values())).device
     gpu_layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, device)
     # a daemon's lane, taking runs of one 256 KiB block through the copy engines (watched: the real
-    # driver call, counted): 16 blocks and 5 blocks in three chunks each (14 + 1 + 1, 3 + 1 + 1), one
-    # block in one; two batches on one lane, each waited for alone; and one with no block
+    # driver call, counted): 16 blocks and 5 blocks in four chunks each (2 + 12 + 1 + 1, 2 + 1 + 1 + 1),
+    # one block in one, the eight blocks in four of which the two holding blocks 5 and 6 go through
+    # the kernel (2 + 4 + 1 + 1); two batches on one lane, each waited for alone; and one with no block
     monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", block_bytes)
+    monkeypatch.setattr(gpu_copy, "HEAD_BYTES", 2 * block_bytes)
     dma_calls = []
     monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
     lane = gpu_copy.CopyLane.on(device)
@@ -101,7 +107,8 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
 
     sixteen = launch_load(np.arange(32, 48), page_ids)
     five, one = launch_load(np.arange(56, 61), page_ids[:5]), launch_load(np.arange(61, 62), page_ids[7:8])
-    assert len(dma_calls) == (3 + 3 + 1 if dma else 0)
+    mixed = launch_load(np.arange(48, 56), mixed_pages).wait()
+    assert len(dma_calls) == (4 + 4 + 1 + 2 if dma else 0)
     with ThreadPoolExecutor(1) as other:
         five = other.submit(five.wait).result()
     one, sixteen = one.wait(), sixteen.wait()
@@ -113,11 +120,12 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     expected = torch.cat([b[:n] for b in blocks], dim=1).cpu().numpy()
     assert np.array_equal(pool.view.read_blocks(page_ids, block_bytes), expected)
     for b in blocks:
-        assert torch.equal(b[16:32], b[:n]) and torch.equal(b[32:48], b[:n])
+        assert torch.equal(b[16:32], b[:n]) and torch.equal(b[32:48], b[:n]) and torch.equal(b[48:56], b[:8])
         assert torch.equal(b[56:61], b[:5]) and torch.equal(b[61], b[7])
     assert np.array_equal(stored, checksum.block_checksums(expected))
     assert np.array_equal(loaded, stored) and np.array_equal(sixteen, stored)
     assert np.array_equal(five, stored[:5]) and np.array_equal(one, stored[7:8]) and len(none) == 0
+    assert np.array_equal(mixed_stored, stored[:8]) and np.array_equal(mixed, stored[:8])
     assert _compiled_kernels(gpu_copy._copy_blocks) == compiled
 
 

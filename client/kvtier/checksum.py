@@ -45,10 +45,12 @@ def chunk_sums(chunk: np.ndarray, byte_offset: int = 0) -> np.ndarray:
     return sums
 
 
-def combine(parts: list[np.ndarray]) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        total = np.sum(parts, axis=0, dtype=np.uint64) if parts else np.zeros(0, np.uint64)
-    return np.where(total == 0, np.uint64(1), total)
+def combine(parts) -> np.ndarray:
+    """Blocks' checksums from their parts: parts[k][i] is block i's k-th part (a list of arrays, or a
+    2-D array). Arrays of integers add up modulo 2**64 without a warning."""
+    total = np.add.reduce(parts, axis=0, dtype=np.uint64) if len(parts) else np.zeros(0, np.uint64)
+    total[total == 0] = 1
+    return total
 
 
 def block_checksums(blocks: np.ndarray) -> np.ndarray:

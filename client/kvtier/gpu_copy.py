@@ -14,11 +14,13 @@ is therefore a few array fills and launches, whatever the number of segments.
 
 Stores go through the kernel (with four stores in flight on an H200, DMA from the GPU to the pool
 reached 39-49 GB/s where the kernel reached 50-52). A load into a block-outermost cache (BLHNC)
-whose blocks each sit in consecutive pool pages (as the pool hands them out) goes through the copy
-engines straight into place, in three chunks that shrink about twelvefold each (`_chunk_starts`):
-the kernel adds up each chunk's checksums in HBM on a second stream while the next, smaller chunk
-still moves (HBM is some fifteen times faster than PCIe), so only a block or so's pass follows the
-last byte. Other loads (a layer-major cache, or scattered pages) go through the kernel alone.
+goes through the copy engines straight into place, in chunks (`_chunk_starts`): a small first one,
+enqueued as soon as its runs are known (its bytes move while the rest is planned), the bulk, then
+two that shrink about twelvefold each. The kernel adds up each chunk's checksums in HBM on a second
+stream while the next, smaller chunk still moves (HBM is some fifteen times faster than PCIe), so
+only a block or so's pass follows the last byte. A chunk whose blocks do not each sit in
+consecutive pool pages (a fragmented pool) goes through the kernel instead, as do loads into a
+layer-major cache.
 Each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its position in
 the block), so stores get their checksums and loads their verification.
 """
@@ -39,6 +41,7 @@ from kvtier.copy_plan import Run, SegmentTemplate, coalesce
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
 TAIL_SHARE = 12  # each chunk of a DMA load holds about 1/TAIL_SHARE of the blocks before it
+HEAD_BYTES = 8 << 20  # a DMA load's first chunk (about 0.15 ms at 55 GB/s, while the rest is planned)
 TO_POOL, FROM_POOL, CHECK_IN_PLACE = 0, 1, 2  # what the kernel does with each segment
 MAX_GRID_BLOCKS = 65535  # CUDA's limit on a grid's second dimension: blocks per launch
 
@@ -97,12 +100,13 @@ class GpuLayout:
     bases: np.ndarray  # int64 device address of each allocation
     page_size: int
     segments: torch.Tensor  # [6, segments] int64 on the device
+    block_bytes: int
 
     @classmethod
     def on(cls, template: SegmentTemplate, bases: np.ndarray, page_size: int, device: torch.device) -> GpuLayout:
         t = template
         rows = np.stack([bases[t.allocation] + t.gpu_offset, t.block_stride, t.page, t.page_offset, t.words, t.first_word])
-        return cls(template, bases, page_size, torch.from_numpy(rows.astype(np.int64)).to(device))
+        return cls(template, bases, page_size, torch.from_numpy(rows.astype(np.int64)).to(device), t.block_bytes)
 
     @property
     def segment_count(self) -> int:
@@ -144,8 +148,7 @@ class LaunchedCopy:
 
     def checksums(self) -> np.ndarray:
         """The blocks' checksums, once `finished`."""
-        with np.errstate(over="ignore"):
-            return checksum.combine([self.sums.view(np.uint64).sum(axis=1, dtype=np.uint64)])
+        return checksum.combine(self.sums.view(np.uint64).T)
 
 
 @dataclass
@@ -204,16 +207,17 @@ def launch_copy(
         return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), np.empty((0, layout.segment_count), dtype=np.int64))
     try:
         with torch.cuda.device(lane.device):
-            landed = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
+            plan = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
             call = _Call.of(layout, block_ids, page_ids)
             with torch.cuda.stream(lane.kernel):
                 if after is not None:
                     lane.kernel.wait_event(after)
-                if landed is None:
-                    call.launch(layout, pool_address, 0, n, TO_POOL if to_pool else FROM_POOL)
-                for (first, end), event in (landed or {}).items():
-                    lane.kernel.wait_event(event)
-                    call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
+                for (first, end), landed in (plan or {(0, n): None}).items():
+                    if landed is None:
+                        call.launch(layout, pool_address, first, end - first, TO_POOL if to_pool else FROM_POOL)
+                    else:
+                        lane.kernel.wait_event(landed)
+                        call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
             return LaunchedCopy(_recorded(lane.kernel), call.memory, call.sums)
     except BaseException:
         lane.synchronize()  # what was enqueued lands before anything it touches is freed or unmapped
@@ -222,33 +226,46 @@ def launch_copy(
 
 def _load_in_place(
     layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
-) -> dict[tuple[int, int], torch.cuda.Event] | None:
-    """Enqueue a load on the copy engines when they are faster than the kernel (a block-outermost
-    cache, each block in consecutive pool pages, runs of DMA_MIN_MEAN_RUN_BYTES or more on average):
-    per chunk (first block, end), the event of its landing; None (nothing enqueued) otherwise."""
-    template = layout.template
-    gpu_blocks = template.gpu_stretches(layout.bases, block_ids) if cuda_dma.available() else None
-    pool_blocks = None if gpu_blocks is None else template.pool_stretches(pool_address, page_ids, layout.page_size)
-    if pool_blocks is None:
+) -> dict[tuple[int, int], torch.cuda.Event | None] | None:
+    """Enqueue a load into a block-outermost cache on the copy engines chunk by chunk (`_chunk_starts`),
+    each chunk as soon as its runs are worked out, so the first bytes move while the rest is planned:
+    per chunk (first block, end), the event of its landing, or None for a chunk the kernel is to
+    copy (`_dma_chunk`). None when the copy engines take no part (a layer-major cache, a driver
+    without cuMemcpyBatchAsync, or no chunk they suit)."""
+    if not layout.template.one_run or not cuda_dma.available():
         return None
     n = len(block_ids)
-    bounds = [*_chunk_starts(n), n]
-    sizes = np.full(n, template.block_bytes, dtype=np.int64)
-    runs = [coalesce(gpu_blocks[a:b], pool_blocks[a:b], sizes[a:b]) for a, b in itertools.pairwise(bounds)]
-    if template.block_bytes * n < DMA_MIN_MEAN_RUN_BYTES * sum(len(r[2]) for r in runs):
+    plan = {
+        (first, end): _dma_chunk(layout, block_ids[first:end], pool_address, page_ids[first:end], lane)
+        for first, end in itertools.pairwise([*_chunk_starts(n, layout.block_bytes), n])
+    }
+    return plan if any(event is not None for event in plan.values()) else None
+
+
+def _dma_chunk(layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane):
+    """Enqueue blocks on the copy engines when each is one stretch in the pool (its pages consecutive,
+    as the pool hands them out unless it is fragmented) and their runs (merged where they continue
+    each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their landing; else
+    None, enqueuing nothing."""
+    pool_blocks = layout.template.pool_stretches(pool_address, page_ids, layout.page_size)
+    if pool_blocks is None:
         return None
-    landed = {}
-    for chunk, (dst, src, run_sizes) in zip(itertools.pairwise(bounds), runs, strict=True):
-        cuda_dma.copy(dst, src, run_sizes, lane.dma.cuda_stream)
-        landed[chunk] = _recorded(lane.dma)
-    return landed
+    gpu_blocks = layout.template.gpu_stretches(layout.bases, block_ids)
+    sizes = np.full(len(block_ids), layout.block_bytes, dtype=np.int64)
+    dst, src, run_sizes = coalesce(gpu_blocks, pool_blocks, sizes)
+    if layout.block_bytes * len(block_ids) < DMA_MIN_MEAN_RUN_BYTES * len(run_sizes):
+        return None
+    cuda_dma.copy(dst, src, run_sizes, lane.dma.cuda_stream)
+    return _recorded(lane.dma)
 
 
-def _chunk_starts(n: int) -> list[int]:
-    """Where a DMA load's chunks start: [0, n - middle - last, n - last], the middle chunk about
-    1/TAIL_SHARE of the blocks and the last about 1/TAIL_SHARE of that; [0] for fewer than 3 blocks."""
+def _chunk_starts(n: int, block_bytes: int) -> list[int]:
+    """Where a DMA load's chunks start: a first chunk of about HEAD_BYTES, which moves while the rest is
+    planned, the bulk, then a chunk of about 1/TAIL_SHARE of the blocks and a last one of about
+    1/TAIL_SHARE of that (each chunk is checksummed in HBM while the smaller ones after it move)."""
+    head = max(1, HEAD_BYTES // block_bytes)
     last, middle = max(1, n // TAIL_SHARE**2), max(1, n // TAIL_SHARE)
-    return [0, n - middle - last, n - last] if n >= 3 else [0]
+    return sorted({start for start in (0, head, n - middle - last, n - last) if 0 <= start < n})
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
