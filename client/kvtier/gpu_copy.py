@@ -242,7 +242,9 @@ def _load_in_place(
     return plan if any(event is not None for event in plan.values()) else None
 
 
-def _dma_chunk(layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane):
+def _dma_chunk(
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
+) -> torch.cuda.Event | None:
     """Enqueue blocks on the copy engines when each is one stretch in the pool (its pages consecutive,
     as the pool hands them out unless it is fragmented) and their runs (merged where they continue
     each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their landing; else

@@ -163,7 +163,7 @@ class FsTier:
                 strays += scanned.strays
                 listed += scanned.listed
         excess = [self._path(e) for e in self.index.over_capacity()]
-        _unlink_all(excess)
+        list(self.executor.map(_unlink, excess))
         self._unsynced.update(path.parent for path in excess)
         log.info(
             "fs tier indexed",
