@@ -54,7 +54,16 @@ def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> 
 
     async def main() -> None:
         store = BlockStore(num_pages=4, page_size=BLOCK)
-        settings = FsSettings(tmp_path / "fs", 2 * charged_bytes(BLOCK), "lru", False, 2, False, 8 * BLOCK, 3600.0)
+        settings = FsSettings(
+            root=tmp_path / "fs",
+            capacity=2 * charged_bytes(BLOCK),
+            eviction="lru",
+            write_through=False,
+            io_threads=2,
+            direct_io=False,
+            queue_bytes=8 * BLOCK,
+            index_interval=3600.0,
+        )
         fs = FsTier(settings, pool, store)
         fs.open()
         store.on_evict = fs.on_evict
