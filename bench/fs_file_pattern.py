@@ -12,7 +12,7 @@ within minutes), bursts of BURST blocks from 16 threads with O_DIRECT, each from
   tier        kvtierd's own fs_format.write_block_file (header, xxh3, O_DIRECT, fsync, rename), 16 dirs
   recycled    as fanout, but each file is an older block's (written and synced before the round, as
               a full tier's evicted block would be): renamed to the temporary name, overwritten in
-              place, fsync'd, renamed (the tier does not do this yet; it deletes evicted files)
+              place, fsync'd, renamed (what a full tier does with the files of the blocks it evicts)
 A ratio is the paired dd's seconds over the variant's, median over rounds. Writes
 bench/results/fs_file_pattern.json. Usage: python bench/fs_file_pattern.py [--dir DIR] [--rounds N]
 """

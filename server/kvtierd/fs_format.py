@@ -19,10 +19,10 @@ A block is written to a `.tmp` name, fsync'd and renamed into place (write_block
 any moment leaves no file (maybe a stray .tmp, removed at the next start) or the complete block.
 The `.tmp` may be an evicted block's file, renamed to it (the rename made durable by fsyncing the
 old name's directory, so a power cut cannot bring the old name back over new bytes) and overwritten
-in place: its space is already allocated, which a virtual disk writes much faster than a new file's (bench/fs_file_pattern:
-1.5x dd's new file where a new file per block reached 0.85-0.9). The
+in place: its space is already allocated, which a virtual disk writes much faster than a new file's
+(bench/fs_file_pattern: 1.5x dd's new file where a new file per block reached 0.85-0.9). The
 directory is not fsync'd per block: a power cut may undo a recent rename, which only loses that block.
-The tier fsyncs the directories that gained names before it writes an index file that names them
+The tier fsyncs the directories that gained or lost names before it writes an index file
 (fs_snapshot). Reads check the header and the xxh3 of the bytes; anything else raises BadBlock.
 
 Everything here is blocking file I/O, called on the tier's thread pool, never on the event loop.

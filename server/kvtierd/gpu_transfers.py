@@ -157,7 +157,7 @@ class GpuTransfers:
         try:
             lane = next(self._lanes[registration.device_index])
             launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
-            size = len(block_ids) * registration.layout.template.block_bytes
+            size = len(block_ids) * registration.layout.block_bytes
             await _landed(launched, self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size))
             return launched.checksums()
         finally:
