@@ -28,3 +28,15 @@ def test_read_blocks_refuses_a_page_outside_the_pool():
     view = PageView(bytearray(8 * PAGE), PAGE)
     with pytest.raises(IndexError, match="page id 8 outside"):
         view.read_blocks(np.array([[1, 8]], dtype="<u4"), 2 * PAGE)
+
+
+def test_block_buffers_are_one_per_run_of_consecutive_pages():
+    view = PageView(bytearray(64 * PAGE), PAGE)
+    view.pages[:] = np.arange(64, dtype=np.uint8)[:, None]  # each page filled with its id
+    block_pages = np.array([7, 8, 9, 3, 4, 20], dtype="<u4")
+    buffers = view.block_buffers(block_pages)
+    assert [len(b) for b in buffers] == [3 * PAGE, 2 * PAGE, PAGE]
+    joined = np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in buffers])
+    assert np.array_equal(joined, np.repeat(block_pages.astype(np.uint8), PAGE))
+    np.frombuffer(buffers[1], dtype=np.uint8)[:] = 99  # the buffers are the pool's memory, not copies
+    assert (view.pages[3:5] == 99).all() and (view.pages[[2, 5]] != 99).all()

@@ -52,6 +52,14 @@ class PageView:
             out[:, full * self.page_size :] = self.pages[page_ids[:, full], :tail]
         return out
 
+    def block_buffers(self, block_pages: np.ndarray) -> list[memoryview]:
+        """One block's pages as buffers, in order: one per run of consecutive pages (as the pool hands
+        them out unless it is fragmented). An O_DIRECT read into one buffer per 32 KiB page ran at
+        0.73-0.90 of one into the same bytes as one buffer on a virtio disk."""
+        breaks = (np.flatnonzero(np.diff(block_pages.astype(np.int64)) != 1) + 1).tolist()
+        bounds = zip([0, *breaks], [*breaks, len(block_pages)], strict=True)
+        return [memoryview(self.pages[int(block_pages[a]) : int(block_pages[a]) + b - a].reshape(-1)) for a, b in bounds]
+
     def write_range(self, block_pages: np.ndarray, offset: int, data: bytes) -> None:
         """Write `data` at byte `offset` of one block (pages `block_pages`)."""
         src = np.frombuffer(data, dtype=np.uint8)

@@ -263,7 +263,7 @@ class FsTier:
             await asyncio.gather(*waits)
 
     def _read_into_pool(self, ns: Namespace, block: Block) -> Header:
-        segments = [memoryview(self.pool.view.pages[p]) for p in np.frombuffer(block.pages, dtype="<u4").tolist()]
+        segments = self.pool.view.block_buffers(np.frombuffer(block.pages, dtype="<u4"))
         return read_block(self._path_of(ns.id, block.hash), ns.id, block.hash, ns.block_bytes, segments, self.direct)
 
     def _promoted(self, ns: Namespace, reservation: Reservation, outcomes: list) -> None:
