@@ -151,9 +151,9 @@ def test_restart_serves_the_same_blocks_byte_exact(fs_daemons):
     assert inspected.checksum == inspected.stored_checksum != 0
 
 
-def stored_on_disk(fs_daemons, seed: str, count: int):
-    """A daemon with --fs-write-through that stored `count` blocks, all of them on disk by now."""
-    daemon = fs_daemons("--fs-write-through", "true")
+def stored_on_disk(fs_daemons, seed: str, count: int, *args: str):
+    """A daemon with --fs-write-through (and `args`) that stored `count` blocks, all of them on disk by now."""
+    daemon = fs_daemons("--fs-write-through", "true", *args)
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=BLOCK))
         hashes = chain_hashes(seed, count)
@@ -276,8 +276,11 @@ def verify_everything_on_disk(daemon: DaemonProcess, block: int, lost: set[bytes
     return loaded
 
 
-def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons):
-    daemon, ns, hashes, data = stored_on_disk(fs_daemons, "flip", 8)
+@pytest.mark.parametrize(("written_direct", "read_direct"), [("false", "false"), ("true", "true"), ("false", "true")])
+def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons, written_direct, read_direct):
+    """Read with --fs-direct-io, header and bytes come in one O_DIRECT request (bytes at 4 KiB in a file
+    written with it, right after the header in one written without it)."""
+    daemon, ns, hashes, data = stored_on_disk(fs_daemons, "flip", 8, "--fs-direct-io", written_direct)
     daemon.stop()
     flipped, truncated, inspected = (block_file(daemon, ns.id, hashes[i]) for i in (3, 5, 7))
     with open(flipped, "r+b") as f:  # one bit of the block's bytes, deep inside the file
@@ -290,7 +293,7 @@ def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons):
     with open(inspected, "r+b") as f:  # the last byte
         f.seek(-1, 2)
         f.write(bytes([data[7, -1] ^ 0xFF]))
-    daemon = fs_daemons(directory=daemon.directory)
+    daemon = fs_daemons("--fs-direct-io", read_direct, directory=daemon.directory)
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=BLOCK))
         assert client.lookup(ns, hashes).hit_count == 8  # the index knows names only until a file is read

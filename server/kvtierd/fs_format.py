@@ -270,20 +270,25 @@ def _open_temporary(temporary: Path, reuse: Path | None, flags: int) -> int:
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
     """Read a block into `segments` (at least align_up(length) bytes, laid out as for write_block_file) and
-    verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact. With
+    `direct`, header and bytes come in one O_DIRECT request (a file written with O_DIRECT has its bytes
+    at ALIGN); a file whose bytes are elsewhere is read again from there."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
     try:
-        header = _read_header(fd, path)
+        if direct:
+            head = aligned_empty(ALIGN)
+            total = _preadv_all(fd, [memoryview(head), *_trim(segments, align_up(length))], 0)
+            header = _parse_header(head[: min(total, ALIGN)].tobytes(), path)
+            got = total - ALIGN
+        else:
+            header = _parse_header(os.pread(fd, ALIGN, 0), path)
         if (header.namespace, header.hash, header.length) != (digest, block_hash, length):
             raise BadBlock(f"{path}: header names another block")
-        if os.fstat(fd).st_size < header.data_offset + length:
-            raise BadBlock(f"{path}: truncated")
-        if direct and header.data_offset % ALIGN == 0:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-            target = _trim(segments, align_up(length))
-        else:
-            target = _trim(segments, length)
-        if _preadv_all(fd, target, header.data_offset) < length:
+        if not direct or header.data_offset != ALIGN:
+            if direct:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            got = _preadv_all(fd, _trim(segments, length), header.data_offset)
+        if got < length:
             raise BadBlock(f"{path}: truncated")
     finally:
         os.close(fd)
@@ -292,8 +297,8 @@ def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments
     return header
 
 
-def _read_header(fd: int, path: Path) -> Header:
-    head = os.pread(fd, ALIGN, 0)
+def _parse_header(head: bytes, path: Path) -> Header:
+    """The header at the start of a block file (`head`: its first ALIGN bytes, or fewer if it is shorter)."""
     if len(head) < _PREFIX.size:
         raise BadBlock(f"{path}: truncated header")
     magic, size = _PREFIX.unpack_from(head)
