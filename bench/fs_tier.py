@@ -32,11 +32,17 @@ in one run, plus restart (re-indexing) time for 100k and 1M blocks.
   written just before those blocks were demoted, so both are as old (a file written just before
   its read can come from the virtual disk's host cache: 2.25 GB/s against 0.9-1.0 from the disk);
   the ratio is paired like the writes. A sample is then loaded and compared byte-exact.
+- Files: the same pairing with a plain reader of files laid out like the tier's (`paired_files_*`):
+  each demotion round also writes BURST files of one block each (16 threads, O_DIRECT, each
+  fsync'd; untimed), after the dd burst, and each chunk's tier read follows a sequential read of
+  those files from one thread (O_DIRECT). A file per block is what the tier stores; dd's one long
+  file is read ahead by the virtual disk's host, which separate files get less of, so this ratio
+  is the daemon's own cost (lookups, promotion, verification) on this disk.
 - Restart: a tier directory with N small (512-byte) block files, written with the tier's own writer
   without fsync to fill it quickly; time from starting the daemon until it serves, and the time its
   "fs tier indexed" log line reports; then a lookup of indexed blocks must hit and load byte-exact.
 
-Needs about 2 x DATA_BYTES + 5 GB free on the disk of --dir (checked first). Usage:
+Needs about 4 x DATA_BYTES + 5 GB free on the disk of --dir (checked first). Usage:
 python bench/fs_tier.py [--dir DIR] [--quick]
 """
 
@@ -149,6 +155,27 @@ def dd_burst(directory: Path, data: np.ndarray, keep_as: Path | None = None, ove
     return seconds
 
 
+def files_burst(directory: Path, data: np.ndarray, threads: int) -> None:
+    """BURST files of one block each in `directory` (created), as baseline() writes them."""
+    directory.mkdir()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(partial(_write_file, directory), range(BURST), [memoryview(data[i % len(data)]) for i in range(BURST)]))
+    fsync_directory(directory)
+
+
+def timed_files_read(directory: Path) -> float:
+    """Seconds to read the files of `files_burst` one after another from one thread, with O_DIRECT."""
+    target = memoryview(aligned_empty(BLOCK))
+    started = time.perf_counter()
+    for i in range(BURST):
+        fd = os.open(directory / f"{i}.blk", os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.preadv(fd, [target], 0) == BLOCK
+        finally:
+            os.close(fd)
+    return time.perf_counter() - started
+
+
 def _write_file(directory: Path, i: int, piece: memoryview) -> None:
     fd = os.open(directory / f"{i}.blk", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     try:
@@ -226,23 +253,28 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
         with KVTierClient(daemon.address, engine_name="bench", timeout=600) as client:
             ns = client.register(spec(block_bytes=BLOCK))
             hashes = chain_hashes("fs-bench", 2 * (count + BURST))
-            seconds, dd_seconds, dd_files = [], [], []
+            seconds, dd_seconds, dd_files, file_dirs = [], [], [], []
             for first in range(0, len(hashes), 2 * BURST):
                 store(client, ns, hashes, data, first, first + BURST)  # fills the pool; nothing is evicted
                 demoted = first // 2
                 assert fs_stats(daemon).stored_blocks == demoted
                 dd_files.append(directory / f"dd-read-{len(dd_files)}.bin")
                 dd_seconds.append(dd_burst(directory, data, keep_as=dd_files[-1]))
+                file_dirs.append(directory / f"files-read-{len(file_dirs)}")
+                files_burst(file_dirs[-1], data, threads)
                 took, stats = timed_eviction(client, daemon, ns, hashes[first + BURST : first + 2 * BURST], demoted + BURST)
                 seconds.append(took)
             assert stats.stored_blocks == stats.blocks == count + BURST, stats
             drop_from_page_cache(fs_dir)
             on_disk = [h for i in range(0, len(hashes), 2 * BURST) for h in hashes[i : i + BURST]][BURST:]
-            read_seconds, dd_read_seconds = [], []
-            for chunk, dd_file in zip(range(0, count, BURST), dd_files[1:], strict=True):
-                # each chunk of BURST blocks follows a dd read of the burst written just before them
+            read_seconds, dd_read_seconds, files_read_seconds = [], [], []
+            for chunk, dd_file, file_dir in zip(range(0, count, BURST), dd_files[1:], file_dirs[1:], strict=True):
+                # each chunk of BURST blocks follows a dd read of the burst written just before them,
+                # then a read of the files written just before them
                 dd_read_seconds.append(timed_read(dd_file, BURST, 1))
                 dd_file.unlink()
+                files_read_seconds.append(timed_files_read(file_dir))
+                shutil.rmtree(file_dir)
                 started = time.perf_counter()
                 for start in range(chunk, chunk + BURST, LOAD_BATCH):
                     result = client.lookup(ns, on_disk[start : start + LOAD_BATCH], pin=True)
@@ -250,6 +282,7 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
                     client.release(result.lease_id)
                 read_seconds.append(time.perf_counter() - started)
             dd_files[0].unlink()
+            shutil.rmtree(file_dirs[0])
             assert fs_stats(daemon).loaded_blocks == count
             for start in (0, count // 2, count - 8):  # what was promoted is byte-exact
                 loaded = client.load(ns, on_disk[start : start + 8])
@@ -265,6 +298,9 @@ def demotion(directory: Path, data: np.ndarray, count: int, threads: int) -> dic
             "paired_dd_read_GBps": count * BLOCK / sum(dd_read_seconds) / GB,
             "read_ratio": sum(dd_read_seconds) / sum(read_seconds),
             "read_ratio_by_round": [dd / tier for dd, tier in zip(dd_read_seconds, read_seconds, strict=True)],
+            "paired_files_read_GBps": count * BLOCK / sum(files_read_seconds) / GB,
+            "read_ratio_to_files": sum(files_read_seconds) / sum(read_seconds),
+            "read_ratio_to_files_by_round": [f / tier for f, tier in zip(files_read_seconds, read_seconds, strict=True)],
         }
     finally:
         stop_daemon(daemon)
@@ -463,7 +499,7 @@ def main() -> None:
     args = parser.parse_args()
     count = 256 if args.quick else 2048  # blocks of 2 MiB: 4 GiB, 16x the pool; 8 timed rounds
     restarts = (10_000,) if args.quick else (100_000, 1_000_000)
-    needed = 2 * count * BLOCK + max(restarts) * 4096 + (1 << 30)
+    needed = 4 * count * BLOCK + max(restarts) * 4096 + (1 << 30)
     free = shutil.disk_usage(args.dir).free
     if free < needed:
         sys.exit(f"fs_tier bench: {args.dir} has {free / GB:.1f} GB free, needs {needed / GB:.1f} GB")
@@ -474,13 +510,13 @@ def main() -> None:
         result: dict = {"block_bytes": BLOCK, "data_bytes": count * BLOCK, "io_threads": args.io_threads}
         if args.full_tier_only:
             result = {"block_bytes": BLOCK, "io_threads": args.io_threads}
-            result |= full_tier_demotion(directory, data, count // BURST // 2, args.io_threads)
+            result |= full_tier_demotion(directory, data, max(1, count // BURST // 2), args.io_threads)
             command = "python bench/fs_tier.py " + " ".join(sys.argv[1:])
             print(write_result("fs_tier_full", result, command.strip()).read_text())
             return
         result |= baseline(directory, data, count * BLOCK, args.io_threads)
         result |= demotion(directory, data, count, args.io_threads)
-        result |= full_tier_demotion(directory, data, count // BURST // 2, args.io_threads)
+        result |= full_tier_demotion(directory, data, max(1, count // BURST // 2), args.io_threads)
         result |= write_through(directory, data, count, args.io_threads)
         result |= streaming(directory, data, count, args.io_threads, clients=2)
         write_base = max(result["dd_write_GBps"], result["parallel_write_GBps"])
