@@ -35,9 +35,9 @@ in one run, plus restart (re-indexing) time for 100k and 1M blocks.
 - Files: the same pairing with a plain reader of files laid out like the tier's (`paired_files_*`):
   each demotion round also writes BURST files of one block each (16 threads, O_DIRECT, each
   fsync'd; untimed), after the dd burst, and each chunk's tier read follows a sequential read of
-  those files from one thread (O_DIRECT). A file per block is what the tier stores; dd's one long
-  file is read ahead by the virtual disk's host, which separate files get less of, so this ratio
-  is the daemon's own cost (lookups, promotion, verification) on this disk.
+  those files from one thread (O_DIRECT). A file per block is what the tier stores, so this ratio
+  leaves out what that layout costs (on this disk about nothing: this reader gets what dd gets):
+  it is the daemon's own cost (lookups, promotion, verification, a batch's files read in parallel).
 - Restart: a tier directory with N small (512-byte) block files, written with the tier's own writer
   without fsync to fill it quickly; time from starting the daemon until it serves, and the time its
   "fs tier indexed" log line reports; then a lookup of indexed blocks must hit and load byte-exact.
