@@ -6,6 +6,7 @@ byte-exact with kvtier.checksum's checksums, and never a kernel form the warm-up
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,6 +128,51 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     assert np.array_equal(five, stored[:5]) and np.array_equal(one, stored[7:8]) and len(none) == 0
     assert np.array_equal(mixed_stored, stored[:8]) and np.array_equal(mixed, stored[:8])
     assert _compiled_kernels(gpu_copy._copy_blocks) == compiled
+
+
+@gpu
+def test_a_launch_failing_midway_raises_at_once_with_what_to_wait_for(pool, monkeypatch):
+    """Enqueueing fails after the copy engines took a BLHNC load's chunks (here: no pinned memory for
+    the call's arrays). launch_copy raises LaunchFailed at once instead of draining the lane (busy for
+    about 0.1 s first), and its `enqueued` is done once those chunks have landed, in place.
+    copy_blocks, the engine's, waits for them before the error goes up."""
+    from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
+    from kvtier.copy_plan import LaunchFailed, SegmentTemplate  # noqa: PLC0415
+    from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415
+
+    if not cuda_dma.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
+    views, block_bytes = kv_cache("BLHNC")
+    kv = GpuKV(list(views.values()), 64)
+    page_ids = np.arange(16 * (block_bytes // PAGE)).reshape(16, -1).astype(np.uint32)
+    kv.record_ready()
+    kv.to_pool(pool, page_ids, list(range(16)))
+    bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
+    device = next(iter(views.values())).device
+    layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, device)
+    monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", block_bytes)
+
+    def no_pinned_memory(cls, *args):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(gpu_copy._Call, "of", classmethod(no_pinned_memory))
+    lane = gpu_copy.CopyLane.on(device)
+    with torch.cuda.stream(lane.dma):
+        torch.cuda._sleep(200_000_000)  # the copy engines' stream busy for about 0.1 s before the load
+    started = time.perf_counter()
+    with pytest.raises(LaunchFailed) as failed:
+        gpu_copy.launch_copy(layout, np.arange(32, 48), pool.cuda_address(), page_ids, False, lane)
+    assert time.perf_counter() - started < 0.05 and isinstance(failed.value.__cause__, RuntimeError)
+    assert not failed.value.enqueued.finished()
+    failed.value.enqueued.wait()
+    for view in views.values():
+        rows = block_bytes_of(view)
+        assert torch.equal(rows[32:48], rows[:16])
+    with torch.cuda.stream(lane.dma):
+        torch.cuda._sleep(200_000_000)
+    with pytest.raises(LaunchFailed) as again:
+        gpu_copy.copy_blocks(layout, np.arange(48, 64), pool.cuda_address(), page_ids, False, lane)
+    assert again.value.enqueued.finished()
 
 
 def _compiled_kernels(kernel) -> int:

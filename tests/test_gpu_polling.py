@@ -6,10 +6,15 @@ clock, as a CUDA event completes on the GPU's."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import uvloop
 
+from kvtier.copy_plan import LaunchFailed
 from kvtierd import gpu_transfers
 from kvtierd.gpu_transfers import POLL_EARLY_S, _landed
 
@@ -27,6 +32,15 @@ class CopyEndingAt:
         return now >= self.end
 
 
+async def turns_until(end: float) -> int:
+    """Other work on the event loop: how many turns it took until the loop's clock reached `end`."""
+    loop, turns = asyncio.get_running_loop(), 0
+    while loop.time() < end:
+        turns += 1
+        await asyncio.sleep(0)
+    return turns
+
+
 def test_asleep_until_just_before_the_expected_end_then_checked_every_turn(monkeypatch):
     # checked on every turn for 50 ms past the expected end, so that a loaded machine waking the loop
     # late still finds the copy (which ends 20 ms past it) running
@@ -36,15 +50,7 @@ def test_asleep_until_just_before_the_expected_end_then_checked_every_turn(monke
         loop = asyncio.get_running_loop()
         expected = loop.time() + 0.020
         copy = CopyEndingAt(expected + 0.020)
-        turns = 0
-
-        async def other_work():
-            nonlocal turns
-            while loop.time() < copy.end:
-                turns += 1
-                await asyncio.sleep(0)
-
-        await asyncio.gather(_landed(copy, expected_end=expected), other_work())
+        _, turns = await asyncio.gather(_landed(copy, expected_end=expected), turns_until(copy.end))
         return expected, copy, loop.time(), turns
 
     expected, copy, returned, turns = uvloop.run(main())
@@ -108,3 +114,42 @@ def test_link_clock_queues_a_lane_and_shares_the_link_between_lanes():
     assert clock.expected_end(0.0, c, True, 10 * ms) == 0.010  # the other direction: a link of its own
     assert clock.expected_end(0.0, other_gpu, False, 10 * ms) == 0.010  # another GPU: its own link
     assert abs(clock.expected_end(0.5, b, False, 10 * ms) - 0.510) < 1e-12  # the others have ended
+
+
+def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_loop_serves():
+    """gpu_copy.launch_copy raises LaunchFailed when enqueueing fails midway (a driver call, or host
+    memory for the call's arrays): the call's error goes up only once what was enqueued has landed
+    (then its pages may be freed), the event loop serving other work meanwhile instead of blocking
+    on the lane, and the registration, whose session ended during the wait, closes after it."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
+        registration = gpu_transfers.CudaRegistration("reg", "session", 0, [], SimpleNamespace(block_bytes=4096), 8, None)
+        transfers._registrations[registration.id] = registration
+        transfers._lanes[0] = itertools.cycle([Lane("cuda:0", "a")])
+        enqueued = CopyEndingAt(loop.time() + 0.030)
+
+        def launch_failing_midway(*args):
+            raise LaunchFailed(enqueued) from RuntimeError("cuMemcpyBatchAsync failed")
+
+        transfers._launch = launch_failing_midway
+
+        async def session_ends():
+            await asyncio.sleep(0.005)
+            await transfers.close_session("session")
+
+        load = asyncio.ensure_future(transfers.load(registration, np.arange(2), np.zeros((2, 1), dtype=np.int64)))
+        closing = asyncio.ensure_future(session_ends())
+        turns = await turns_until(enqueued.end)
+        with pytest.raises(LaunchFailed) as failed:
+            await load
+        failed_at = loop.time()
+        await closing
+        return enqueued, failed.value, failed_at, turns, registration
+
+    enqueued, failed, failed_at, turns, registration = uvloop.run(main())
+    assert isinstance(failed.__cause__, RuntimeError)
+    assert enqueued.checks[-1] >= enqueued.end and failed_at >= enqueued.end  # not before it landed
+    assert turns > 10  # the loop served other work meanwhile
+    assert registration.in_flight == 0 and registration.closed.is_set()

@@ -92,6 +92,16 @@ class SegmentTemplate:
         return pool_base + pages[:, 0] * page_size
 
 
+class LaunchFailed(Exception):
+    """Enqueueing a copy failed after part of it was enqueued (its cause is the error). `enqueued` (a
+    gpu_copy.LaunchedCopy) is done once that part has landed: only then may the copy's pages be freed
+    or its mappings closed. Here rather than in gpu_copy so that code without torch can catch it."""
+
+    def __init__(self, enqueued) -> None:
+        super().__init__("a copy failed after part of it was enqueued")
+        self.enqueued = enqueued
+
+
 def coalesce(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, dst, sizes) of the runs made by merging each segment into the one before it when it
     continues it on both sides."""

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kvtier import checksum, cuda_dma
-from kvtier.copy_plan import Run, SegmentTemplate, coalesce
+from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate, coalesce
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
@@ -125,10 +125,6 @@ class CopyLane:
     def on(cls, device: torch.device) -> CopyLane:
         return cls(device, torch.cuda.Stream(device), torch.cuda.Stream(device))
 
-    def synchronize(self) -> None:
-        self.dma.synchronize()
-        self.kernel.synchronize()
-
 
 @dataclass
 class LaunchedCopy:
@@ -198,9 +194,9 @@ def launch_copy(
 ) -> LaunchedCopy:
     """Enqueue the copy of whole blocks between a GPU KV cache and pool pages (page_ids[i] holds
     block_ids[i]) on `lane`, after the event `after` (if any; stores); returns at once. A load's
-    copy engines start before anything else is prepared. Should anything fail after something was
-    enqueued, the lane is drained before the error goes up (the caller may then free the pages and
-    close the mappings)."""
+    copy engines start before anything else is prepared. Should anything fail after something may
+    have been enqueued, LaunchFailed goes up, with what was enqueued to wait for (the lane is not
+    drained here: the daemon's event loop waits for it by polling, serving other calls meanwhile)."""
     block_ids = np.asarray(block_ids, dtype=np.int64)
     n = len(block_ids)
     if n == 0:
@@ -219,9 +215,8 @@ def launch_copy(
                         lane.kernel.wait_event(landed)
                         call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
             return LaunchedCopy(_recorded(lane.kernel), call.memory, call.sums)
-    except BaseException:
-        lane.synchronize()  # what was enqueued lands before anything it touches is freed or unmapped
-        raise
+    except Exception as exc:
+        raise LaunchFailed(_lane_drained(lane)) from exc
 
 
 def _load_in_place(
@@ -270,6 +265,13 @@ def _chunk_starts(n: int, block_bytes: int) -> list[int]:
     return sorted({start for start in (0, head, n - middle - last, n - last) if 0 <= start < n})
 
 
+def _lane_drained(lane: CopyLane) -> LaunchedCopy:
+    """A copy of nothing that is done once everything enqueued on the lane so far has landed."""
+    with torch.cuda.device(lane.device):
+        lane.kernel.wait_event(_recorded(lane.dma))
+        return LaunchedCopy(_recorded(lane.kernel), torch.empty(0, dtype=torch.int64), np.empty((0, 0), dtype=np.int64))
+
+
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)
@@ -277,8 +279,14 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
 
 
 def copy_blocks(*args, **kwargs) -> np.ndarray:
-    """`launch_copy` and wait: the blocks' checksums once the copy is done."""
-    return launch_copy(*args, **kwargs).wait()
+    """`launch_copy` and wait: the blocks' checksums once the copy is done. When it fails, the error
+    goes up once what was enqueued has landed."""
+    try:
+        launched = launch_copy(*args, **kwargs)
+    except LaunchFailed as failed:
+        failed.enqueued.wait()
+        raise
+    return launched.wait()
 
 
 def compile_kernel() -> None:

@@ -14,7 +14,9 @@ goes on the moment the copy is seen done (a load answers from there); the cost i
 spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
 milliseconds) until it is seen done.
 Stores wait on the engine's ready event on the daemon's stream (the engine's stream never waits for
-a store); loads return only when the bytes are in the engine's memory. When a session ends, its
+a store); loads return only when the bytes are in the engine's memory. A copy whose launch fails
+after part of it went to the GPU (gpu_copy's LaunchFailed) is watched the same way until that part
+has landed, and only then does its error go up (and its pages go free). When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
 memory of an engine that died is then freed).
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.copy_plan import Run, SegmentTemplate
+from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
@@ -156,7 +158,11 @@ class GpuTransfers:
         registration.in_flight += 1
         try:
             lane = next(self._lanes[registration.device_index])
-            launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
+            try:
+                launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
+            except LaunchFailed as failed:  # what went to the GPU lands before the pages are freed
+                await _landed(failed.enqueued, asyncio.get_running_loop().time())
+                raise
             size = len(block_ids) * registration.layout.block_bytes
             await _landed(launched, self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size))
             return launched.checksums()
