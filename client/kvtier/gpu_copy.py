@@ -130,9 +130,14 @@ class CopyLane:
 class LaunchedCopy:
     """A batch enqueued on its lane; `wait` returns the blocks' checksums once it is done."""
 
-    done: torch.cuda.Event | None  # None: no block, nothing enqueued
+    done: torch.cuda.Event | None  # None: nothing to wait for
     call: torch.Tensor  # pinned: block ids, pages, then the partial sums the kernel writes
     sums: np.ndarray  # [blocks, segments] view of the partial sums in `call`
+
+    @classmethod
+    def of_nothing(cls, done: torch.cuda.Event | None) -> LaunchedCopy:
+        """A copy of no block, done when `done` is (at once for None)."""
+        return cls(done, torch.empty(0, dtype=torch.int64), np.empty((0, 0), dtype=np.int64))
 
     def finished(self) -> bool:
         return self.done is None or self.done.query()
@@ -200,7 +205,7 @@ def launch_copy(
     block_ids = np.asarray(block_ids, dtype=np.int64)
     n = len(block_ids)
     if n == 0:
-        return LaunchedCopy(None, torch.empty(0, dtype=torch.int64), np.empty((0, layout.segment_count), dtype=np.int64))
+        return LaunchedCopy.of_nothing(None)
     try:
         with torch.cuda.device(lane.device):
             plan = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
@@ -269,7 +274,7 @@ def _lane_drained(lane: CopyLane) -> LaunchedCopy:
     """A copy of nothing that is done once everything enqueued on the lane so far has landed."""
     with torch.cuda.device(lane.device):
         lane.kernel.wait_event(_recorded(lane.dma))
-        return LaunchedCopy(_recorded(lane.kernel), torch.empty(0, dtype=torch.int64), np.empty((0, 0), dtype=np.int64))
+        return LaunchedCopy.of_nothing(_recorded(lane.kernel))
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
