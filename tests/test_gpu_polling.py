@@ -1,7 +1,8 @@
 """How the daemon's event loop watches a GPU copy (gpu_transfers._landed), on the CPU: asleep until
 shortly before the copy can have ended, then a check on every turn of the loop, and sparse checks
 once it runs long; the loop serves other work meanwhile. The copy here ends at a set time on the
-clock, as a CUDA event completes on the GPU's."""
+clock, as a CUDA event completes on the GPU's. The loop runs on a virtual clock (virtual_clock.py),
+so that what is asserted is the policy, not how a loaded machine happened to schedule the test."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import uvloop
+from virtual_clock import TURN_S, run_on_virtual_clock
 
 from kvtier.copy_plan import LaunchFailed
 from kvtierd import gpu_transfers
-from kvtierd.gpu_transfers import POLL_EARLY_S, _landed
+from kvtierd.gpu_transfers import FAST_POLL_S, POLL_EARLY_S, SLOW_POLL_S, _landed
 
 
 @dataclass
@@ -41,28 +42,29 @@ async def turns_until(end: float) -> int:
     return turns
 
 
-def test_asleep_until_just_before_the_expected_end_then_checked_every_turn(monkeypatch):
-    # checked on every turn for 50 ms past the expected end, so that a loaded machine waking the loop
-    # late still finds the copy (which ends 20 ms past it) running
-    monkeypatch.setattr(gpu_transfers, "FAST_POLL_S", 0.05)
-
+@pytest.mark.parametrize("woken_late_s", [0.0, 0.025], ids=["woken-on-time", "woken-25ms-late"])
+def test_asleep_until_just_before_the_expected_end_then_checked_every_turn(woken_late_s):
+    # a loop woken late (a loaded machine) still checks on every turn for FAST_POLL_S after it wakes
     async def main():
         loop = asyncio.get_running_loop()
-        expected = loop.time() + 0.020
-        copy = CopyEndingAt(expected + 0.020)
-        _, turns = await asyncio.gather(_landed(copy, expected_end=expected), turns_until(copy.end))
-        return expected, copy, loop.time(), turns
+        expected = loop.time() + 0.0203
+        copy = CopyEndingAt(expected + woken_late_s + FAST_POLL_S / 2)
 
-    expected, copy, returned, turns = uvloop.run(main())
-    assert copy.checks[0] >= expected - POLL_EARLY_S - 0.002  # asleep until shortly before (timers: whole ms)
-    assert len(copy.checks) > 10  # then checked on every turn of the loop
-    assert copy.checks[-1] >= copy.end and returned - copy.end < 0.02  # seen done (on a busy machine: soon)
+        async def landed_at() -> float:
+            await _landed(copy, expected_end=expected)
+            return loop.time()
+
+        returned, turns = await asyncio.gather(landed_at(), turns_until(copy.end))
+        return expected, copy, returned, turns
+
+    expected, copy, returned, turns = run_on_virtual_clock(main(), timer_late_s=woken_late_s)
+    assert expected - POLL_EARLY_S <= copy.checks[0] <= expected + woken_late_s  # asleep until shortly before
+    assert len(copy.checks) > 10 and max(np.diff(copy.checks)) < 2 * TURN_S  # then checked on every turn
+    assert copy.end <= copy.checks[-1] and returned - copy.end < 2 * TURN_S  # seen done at once
     assert turns > 10  # other work ran meanwhile
 
 
-def test_a_copy_running_long_is_checked_sparsely(monkeypatch):
-    monkeypatch.setattr(gpu_transfers, "FAST_POLL_S", 0.005)
-
+def test_a_copy_running_long_is_checked_sparsely():
     async def main():
         loop = asyncio.get_running_loop()
         expected = loop.time() + 0.002
@@ -70,10 +72,11 @@ def test_a_copy_running_long_is_checked_sparsely(monkeypatch):
         await _landed(copy, expected_end=expected)
         return expected, copy
 
-    expected, copy = uvloop.run(main())
-    late = [t for t in copy.checks if t > expected + 0.005 + 0.002]
-    assert copy.checks[-1] >= copy.end
-    assert 10 <= len(late) <= 120  # about one check per millisecond, not one per turn of the loop
+    expected, copy = run_on_virtual_clock(main())
+    late = np.array([t for t in copy.checks if t > expected + FAST_POLL_S + TURN_S])
+    assert copy.end <= late[-1] <= copy.end + 2 * SLOW_POLL_S  # seen done soon after it ended
+    gaps = np.diff(late)  # one check per SLOW_POLL_S (timers: whole milliseconds), not one per turn
+    assert len(late) > 10 and gaps.min() > SLOW_POLL_S - TURN_S and gaps.max() < SLOW_POLL_S + 0.001 + TURN_S
 
 
 def test_a_cancelled_caller_still_waits_for_its_copy_then_is_cancelled():
@@ -93,7 +96,7 @@ def test_a_cancelled_caller_still_waits_for_its_copy_then_is_cancelled():
             return copy, loop.time()
         raise AssertionError("the cancellation was lost")
 
-    copy, ended = uvloop.run(main())
+    copy, ended = run_on_virtual_clock(main())
     assert copy.checks[-1] >= copy.end and ended >= copy.end
 
 
@@ -148,7 +151,7 @@ def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_lo
         await closing
         return enqueued, failed.value, failed_at, turns, registration
 
-    enqueued, failed, failed_at, turns, registration = uvloop.run(main())
+    enqueued, failed, failed_at, turns, registration = run_on_virtual_clock(main())
     assert isinstance(failed.__cause__, RuntimeError)
     assert enqueued.checks[-1] >= enqueued.end and failed_at >= enqueued.end  # not before it landed
     assert turns > 10  # the loop served other work meanwhile
