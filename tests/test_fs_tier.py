@@ -376,13 +376,12 @@ def test_a_full_tier_writes_new_blocks_over_the_files_of_the_blocks_it_evicts(fs
     assert checked == fs_stats(daemon).blocks and len(list((daemon.directory / "fs" / small.id).rglob("*.kvb"))) > 8
 
 
-def settled(daemon: DaemonProcess, quiet: float = 0.3, timeout: float = 10.0) -> None:
-    """Wait until the tier has stored no further block for `quiet` seconds (demotions done)."""
-    deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
-    while time.monotonic() - since < quiet:
-        assert time.monotonic() < deadline
-        if (stored := fs_stats(daemon).stored_blocks) != last:
-            last, since = stored, time.monotonic()
+def settled(daemon: DaemonProcess, timeout: float = 30.0) -> None:
+    """Wait until every block copied out of the pool for the disk is written (or failed): demotions done."""
+    url = f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics"
+    deadline = time.monotonic() + timeout
+    while "kvtierd_fs_queue_bytes 0.0" not in urllib.request.urlopen(url).read().decode():
+        assert time.monotonic() < deadline, "writes still queued"
         time.sleep(0.01)
 
 
@@ -414,6 +413,7 @@ def test_disk_full_pauses_stores_and_the_ram_tier_keeps_serving(fs_daemons):
         assert client.store(ns, more, contents(more, BLOCK)) == 4
         assert np.array_equal(client.load(ns, hashes), data)
         assert np.array_equal(client.load(ns, more), contents(more, BLOCK))
+        settled(daemon)
         on_disk = fs_stats(daemon).blocks
         filler = chain_hashes("full-filler", 16)  # evict everything: disk blocks still load
         client.store(ns, filler, contents(filler, BLOCK))
@@ -423,6 +423,40 @@ def test_disk_full_pauses_stores_and_the_ram_tier_keeps_serving(fs_daemons):
             assert np.array_equal(client.load(ns, [h])[0], block_content(h, BLOCK))
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.admin('GetInfo').metrics_port}/metrics").read().decode()
     assert "kvtierd_fs_stores_paused 1.0" in metrics
+    assert daemon.process.poll() is None
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged mount namespaces (unshare -rm) for a read-only mount")
+def test_a_read_only_disk_at_start_serves_its_blocks_and_the_ram_tier(fs_daemons):
+    """The tier's filesystem is read-only when the daemon starts (ext4 remounts read-only after I/O
+    errors), with leftovers of interrupted writes it cannot remove: the daemon starts, serves the
+    blocks on disk and the RAM tier, and pauses stores to disk with a logged error."""
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("read-only", 8)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+        wait_on_disk(daemon, 8)
+    assert daemon.stop() == 0
+    fs = daemon.directory / "fs"
+    strays = [fs / "index.kvi.1.tmp", fs / ns.id / "namespace.pb.1.tmp", block_file(daemon, ns.id, hashes[0]).with_suffix(".tmp")]
+    for stray in strays:
+        stray.write_bytes(b"interrupted")
+    read_only = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    mount = ("unshare", "-rm", "sh", "-c", read_only, str(fs))
+    daemon = fs_daemons("--fs-write-through", "true", "--fs-direct-io", "true", directory=daemon.directory, prefix=mount)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert fs_stats(daemon).blocks == 8 and all(stray.exists() for stray in strays)
+        assert np.array_equal(client.load(ns, hashes), contents(hashes, BLOCK))  # read from the read-only disk
+        more = chain_hashes("read-only-more", 16)  # their writes fail
+        assert client.store(ns, more, contents(more, BLOCK)) == 16
+        deadline = time.monotonic() + 10
+        while not fs_stats(daemon).stores_paused:
+            assert time.monotonic() < deadline, "the read-only disk was not noticed"
+            time.sleep(0.02)
+        assert np.array_equal(client.load(ns, more), contents(more, BLOCK))
+    assert "Read-only file system" in daemon.log() and "stores paused" in daemon.log()
     assert daemon.process.poll() is None
 
 

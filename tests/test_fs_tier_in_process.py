@@ -4,12 +4,14 @@ must order (the tier's I/O threads held at a gate) or watch (the directories the
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import uvloop
 from blocks import block_content, chain_hashes, contents, spec
 
@@ -49,7 +51,7 @@ class Tiers:
 
 
 def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> None:
-    shm_dir = Path("/dev/shm") / tmp_path.name
+    shm_dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-in-process-"))  # (tmp_path's name repeats between runs)
     pool = SharedPool(shm_dir, "kvt-in-process-", 4 * BLOCK, BLOCK, 0o600)
 
     async def main() -> None:
@@ -80,6 +82,14 @@ def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> 
         shm_dir.rmdir()
 
 
+def hold_io_threads(fs: FsTier) -> threading.Event:
+    """Keep every I/O thread of the tier busy until the returned gate is set."""
+    gate = threading.Event()
+    for _ in range(fs.settings.io_threads):
+        fs.executor.submit(gate.wait)
+    return gate
+
+
 def test_a_file_being_read_is_not_written_over_for_another_block(tmp_path):
     """A promotion's read of block A is still to run when the demotion that its own reservation
     causes needs room on the full disk and evicts A: the demotion must write a new file instead of
@@ -93,15 +103,13 @@ def test_a_file_being_read_is_not_written_over_for_another_block(tmp_path):
         await t.put(f, 2)
         link = tmp_path / "a.link"
         link.hardlink_to(t.path(a))
-        gate = threading.Event()
-        held = [t.fs.executor.submit(gate.wait) for _ in range(t.fs.settings.io_threads)]
+        gate = hold_io_threads(t.fs)
         promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))  # its reservation evicts C; C's demotion evicts A
         await asyncio.sleep(0.05)
         assert t.fs.index.get(t.ns.id, a) is None and t.fs.index.inflight_bytes > 0  # A evicted, C's write waiting
         gate.set()
         await promotion
         await t.settle()
-        assert all(h.done() for h in held)
         assert np.array_equal(np.fromfile(link, dtype=np.uint8)[-BLOCK:], block_content(a, BLOCK))  # A's file kept its bytes
         assert t.fs.index.counters[t.ns.id].checksum_failures == 0
         data = aligned_empty(BLOCK)
@@ -135,5 +143,56 @@ def test_a_directory_that_only_loses_a_file_is_fsynced_before_the_next_index_fil
         assert not t.path(a).exists()
         await t.fs.save_index()
         assert synced == [t.path(a).parent]
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_promotion_whose_caller_is_cancelled_still_ends_and_lets_go_of_its_pages(tmp_path):
+    """A caller's deadline cancels it while its blocks are read from disk (a slow disk): the reads
+    still end, and the block is committed to the pool; nothing stays reserved or awaited for good
+    (a later Reserve of it would answer IN_PROGRESS forever, a later lookup wait on it forever)."""
+    a, b, c, d, e = chain_hashes("cancelled", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        gate = hold_io_threads(t.fs)
+        caller = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
+        await asyncio.sleep(0.05)
+        assert a in t.ns.pending  # reserved, its read waiting for a thread
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        gate.set()
+        await t.settle()
+        assert not t.fs._promotions and not t.fs._reading and not t.ns.pending
+        block = t.ns.blocks[a]
+        in_pool = t.pool.view.read_blocks(np.frombuffer(block.pages, dtype="<u4").reshape(1, -1), BLOCK)
+        assert np.array_equal(in_pool[0], block_content(a, BLOCK))
+        await t.fs.promote(t.ns, [a])  # nothing left to wait for
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
+    """DeleteBlocks (the pool's blocks, then the tier's) during a promotion's read: the block must not
+    be committed to the pool when the read returns."""
+    a, b, c, d, e = chain_hashes("deleted", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        gate = hold_io_threads(t.fs)
+        promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
+        await asyncio.sleep(0.05)
+        t.store.delete(t.ns, [a])
+        assert t.fs.delete(t.ns.id, [a]) == {a}
+        gate.set()
+        await promotion
+        await t.settle()
+        assert a not in t.ns.blocks and a not in t.ns.pending and t.fs.index.get(t.ns.id, a) is None
+        assert not t.path(a).exists()
 
     run_with_tiers(tmp_path, body)

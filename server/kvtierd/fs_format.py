@@ -30,7 +30,9 @@ Everything here is blocking file I/O, called on the tier's thread pool, never on
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -47,6 +49,8 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.fs_snapshot import Known
 from kvtierd.namespace import namespace_digest
 from kvtierd.xxh3 import xxh3_64
+
+log = logging.getLogger("kvtierd.fs")
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
@@ -195,7 +199,8 @@ def probe_direct_io(root: Path) -> bool:
     except OSError:
         return False
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only filesystem refuses even a missing file's unlink
+            path.unlink(missing_ok=True)
 
 
 def write_block_file(
@@ -251,7 +256,8 @@ def write_block_file(
             os.close(fd)
         os.rename(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (the write's own error is the one to report)
+            temporary.unlink(missing_ok=True)
         raise
 
 
@@ -335,8 +341,7 @@ def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNames
     a fan-out directory whose mtime equals the one `known` from the index file is not listed."""
     strays = 0
     for stray in directory.glob(f"{SPEC_FILE}.*{TMP_SUFFIX}"):  # a spec write that was interrupted
-        stray.unlink(missing_ok=True)
-        strays += 1
+        strays += remove_file(stray)
     spec = read_spec(directory)
     if spec is None:
         return None
@@ -366,8 +371,18 @@ def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNames
                 except ValueError:
                     continue
         for stray in (n for n in entries if n.endswith(TMP_SUFFIX)):
-            (directory / name / stray).unlink(missing_ok=True)
-            strays += 1
+            strays += remove_file(directory / name / stray)
         if progress is not None:
             progress.update(1)
     return ScannedNamespace(spec, hashes, strays, listed)
+
+
+def remove_file(path: Path) -> bool:
+    """Unlink `path` if it is there; False, with a warning, when the filesystem refuses (read-only or
+    failing: the tier goes on without it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove an fs tier file", extra={"path": str(path), "reason": str(exc)})
+        return False
+    return True

@@ -89,6 +89,9 @@ def read_index_file(root: Path) -> dict[str, Known]:
         data = path.read_bytes()
     except FileNotFoundError:
         return {}
+    except OSError as exc:  # a failing disk: list every directory instead
+        log.warning("cannot read the fs index file; every directory is listed", extra={"path": str(path), "reason": str(exc)})
+        return {}
     head = len(_MAGIC) + 8
     try:
         if data[: len(_MAGIC)] != _MAGIC or xxhash.xxh3_64_digest(data[head:]) != data[len(_MAGIC) : head]:

@@ -62,6 +62,7 @@ from kvtierd.fs_format import (
     fsync_directory,
     probe_direct_io,
     read_block,
+    remove_file,
     scan_namespace,
     write_block_file,
     write_spec,
@@ -126,6 +127,7 @@ class FsTier:
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
+        self._deleted_while_promoted: set[Key] = set()  # not to be committed when their reads return
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
@@ -143,17 +145,25 @@ class FsTier:
             self.direct = probe_direct_io(self.root)
             if not self.direct:
                 log.warning("the filesystem refuses O_DIRECT; the fs tier uses buffered I/O", extra={"path": str(self.root)})
-        directories = sorted(d for d in self.root.iterdir() if d.is_dir() and _DIGEST.fullmatch(d.name))
+        try:
+            directories = sorted(d for d in self.root.iterdir() if d.is_dir() and _DIGEST.fullmatch(d.name))
+        except OSError as exc:  # a failing disk: the tier starts empty, and its first write pauses stores
+            log.error("cannot list the fs tier; no block on it is served", extra={"path": str(self.root), "reason": str(exc)})
+            directories = []
         known = read_index_file(self.root)
         specs, strays, listed = [], 0, 0
         for stray in self.root.glob(f"{INDEX_FILE}.*{TMP_SUFFIX}"):  # an interrupted index file write
-            stray.unlink(missing_ok=True)
-            strays += 1
+            strays += remove_file(stray)
         with tqdm(
             total=len(directories) * len(FANOUT), desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
         ) as bar:
             for directory in directories:
-                scanned = scan_namespace(directory, known.get(directory.name, {}), bar)
+                try:
+                    scanned = scan_namespace(directory, known.get(directory.name, {}), bar)
+                except OSError as exc:
+                    fields = {"path": str(directory), "reason": str(exc)}
+                    log.error("cannot list an fs tier namespace; its blocks are not served", extra=fields)
+                    continue
                 if scanned is None:
                     log.warning("ignoring a directory without a valid namespace.pb", extra={"path": str(directory)})
                     continue
@@ -163,7 +173,7 @@ class FsTier:
                 strays += scanned.strays
                 listed += scanned.listed
         excess = [self._path(e) for e in self.index.over_capacity()]
-        list(self.executor.map(_unlink, excess))
+        list(self.executor.map(remove_file, excess))
         self._unsynced.update(path.parent for path in excess)
         log.info(
             "fs tier indexed",
@@ -240,27 +250,48 @@ class FsTier:
 
     async def promote(self, ns: Namespace, hashes: list[bytes]) -> None:
         """Bring blocks that are on disk into the pool as committed blocks; a block that cannot be read
-        intact is left out (so a prefix ends before it)."""
+        intact is left out (so a prefix ends before it). The reads and their commit belong to the tier:
+        a caller cancelled meanwhile (its deadline) stops waiting, and the promotion still ends, so
+        its reservation and its files are let go."""
         waits = [self._promotions[(ns.id, h)] for h in hashes if (ns.id, h) in self._promotions]
         wanted = [h for h in hashes if h not in ns.blocks and (ns.id, h) not in self._promotions]
+        if wanted:
+            promotion = self._start_promotion(ns, wanted)
+            if promotion is not None:
+                waits.append(promotion)
+        if waits:
+            await asyncio.shield(asyncio.gather(*waits))
+
+    def _start_promotion(self, ns: Namespace, wanted: list[bytes]) -> asyncio.Future | None:
+        """Reserve pool pages for `wanted` and start their reads (a task of the tier's, in `_jobs`)."""
         paths = [self._path_of(ns.id, h) for h in wanted]
         self._reading.update(paths)  # the reservation's evictions must not write over the files to read
         try:
-            reservation = self.store.reserve(_PROMOTER, ns, wanted, admit_all=True).reservation if wanted else None
-            if reservation is not None:
-                reservation.expires_at = float("inf")  # threads write into its pages until their reads return
-                loop = asyncio.get_running_loop()
-                for block in reservation.blocks:
-                    self._promotions[(ns.id, block.hash)] = loop.create_future()
-                outcomes = await asyncio.gather(
-                    *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
-                    return_exceptions=True,
-                )
-                self._promoted(ns, reservation, outcomes)
+            reservation = self.store.reserve(_PROMOTER, ns, wanted, admit_all=True).reservation
+        except BaseException:
+            self._unread(paths)
+            raise
+        if reservation is None:
+            self._unread(paths)
+            return None
+        reservation.expires_at = float("inf")  # threads write into its pages until their reads return
+        loop = asyncio.get_running_loop()
+        for block in reservation.blocks:
+            self._promotions[(ns.id, block.hash)] = loop.create_future()
+        task = asyncio.ensure_future(self._read_and_commit(ns, reservation, paths))
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
+
+    async def _read_and_commit(self, ns: Namespace, reservation: Reservation, paths: list[Path]) -> None:
+        try:
+            outcomes = await asyncio.gather(
+                *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
+                return_exceptions=True,
+            )
+            self._promoted(ns, reservation, outcomes)
         finally:
             self._unread(paths)  # (each read holds its own file until it returns)
-        if waits:
-            await asyncio.gather(*waits)
 
     def _read_into_pool(self, ns: Namespace, block: Block) -> Header:
         segments = self.pool.view.block_buffers(np.frombuffer(block.pages, dtype="<u4"))
@@ -270,7 +301,10 @@ class FsTier:
         checksums = np.zeros(len(reservation.blocks), dtype=np.uint64)
         failed = []
         for i, (block, outcome) in enumerate(zip(reservation.blocks, outcomes, strict=True)):
-            if isinstance(outcome, Header):
+            if (ns.id, block.hash) in self._deleted_while_promoted:
+                self._deleted_while_promoted.discard((ns.id, block.hash))
+                failed.append(block.hash)
+            elif isinstance(outcome, Header):
                 checksums[i] = outcome.checksum
                 entry = self.index.get(ns.id, block.hash)
                 if entry is not None:
@@ -366,7 +400,7 @@ class FsTier:
             )
         except BaseException:
             if reuse is not None:
-                _unlink(reuse)  # (gone already if it became the temporary file, which the failed write removed)
+                remove_file(reuse)  # (gone already if it became the temporary file, which the failed write removed)
             raise
 
     def _written(self, job: _Write, buffer: np.ndarray, evicted: list[Path], future: asyncio.Future) -> None:
@@ -411,6 +445,8 @@ class FsTier:
             job = self._writes.get((ns_id, block_hash))
             if job is not None:
                 job.cancelled = True
+            if (ns_id, block_hash) in self._promotions:
+                self._deleted_while_promoted.add((ns_id, block_hash))
         for entry in entries:
             self.index.remove(entry)
         self._remove_files(entries)
@@ -494,13 +530,6 @@ class FsTier:
         return future
 
 
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("cannot remove fs block file", extra={"path": str(path), "reason": str(exc)})
-
-
 def _fsync_directories(directories: set[Path]) -> None:
     for directory in directories:
         try:
@@ -511,4 +540,4 @@ def _fsync_directories(directories: set[Path]) -> None:
 
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
-        _unlink(path)
+        remove_file(path)
