@@ -6,7 +6,6 @@ byte-exact with kvtier.checksum's checksums, and never a kernel form the warm-up
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,11 +158,10 @@ def test_a_launch_failing_midway_raises_at_once_with_what_to_wait_for(pool, monk
     lane = gpu_copy.CopyLane.on(device)
     with torch.cuda.stream(lane.dma):
         torch.cuda._sleep(200_000_000)  # the copy engines' stream busy for about 0.1 s before the load
-    started = time.perf_counter()
     with pytest.raises(LaunchFailed) as failed:
         gpu_copy.launch_copy(layout, np.arange(32, 48), pool.cuda_address(), page_ids, False, lane)
-    assert time.perf_counter() - started < 0.05 and isinstance(failed.value.__cause__, RuntimeError)
-    assert not failed.value.enqueued.finished()
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert not failed.value.enqueued.finished()  # raised without waiting for the busy lane
     failed.value.enqueued.wait()
     for view in views.values():
         rows = block_bytes_of(view)
