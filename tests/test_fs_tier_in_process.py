@@ -196,3 +196,28 @@ def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
         assert not t.path(a).exists()
 
     run_with_tiers(tmp_path, body)
+
+
+def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
+    """A block on disk and in the pool (promoted), used from the pool meanwhile, is evicted from the
+    pool together with one that goes to disk: its file, now its only copy, must not be what makes
+    room for the other (its disk recency was that of its promotion, older than other files')."""
+    a, b, c, d, e, f, g, h = chain_hashes("demoted-again", 8)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        await t.put(f, 2)  # then B: the tier is full
+        t.fs.lookup(t.ns, [a])
+        await t.fs.promote(t.ns, [a])  # its reservation evicts C from the pool, and C's write B's file
+        await t.settle()
+        assert t.fs.index.get(t.ns.id, b) is None and t.fs.index.get(t.ns.id, c) is not None
+        t.store.lookup("s", t.ns, [d, e, f], pin=False)  # A is the pool's least recently used now
+        t.store.reserve("s", t.ns, [g, h])  # evicts A (on disk already) and D (to be written)
+        await t.settle()
+        assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, d) is not None
+        assert t.fs.index.get(t.ns.id, a) is not None and t.path(a).exists()  # C's file made room instead
+        assert t.fs.index.get(t.ns.id, c) is None
+
+    run_with_tiers(tmp_path, body)

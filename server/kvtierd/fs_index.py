@@ -76,6 +76,11 @@ class FsIndex:
             entry.last_access = now
         self.policy.access_many([e.slot for e in entries])
 
+    def demoted(self, entries: list[FsEntry]) -> None:
+        """Blocks that the pool let go of and that are on disk already: their files, now their only
+        copies, are to be evicted last, like the blocks just written beside them."""
+        self.policy.access_many([e.slot for e in entries])
+
     def reserve(self, block_bytes: int) -> list[FsEntry] | None:
         """Charge a write of one block, evicting least valuable blocks to stay under the capacity.
         Returns the evicted entries (their files are to be removed), or None when it cannot fit

@@ -345,9 +345,14 @@ class FsTier:
     def on_evict(self, victims: list[Block]) -> None:
         """BlockStore's eviction hook: copy the victims' bytes out of the pool and write them to disk."""
         groups: dict[Namespace, list[Block]] = defaultdict(list)
+        on_disk = []
         for block in victims:
-            if self._wanted(block.namespace, block.hash):
+            entry = self.index.get(block.namespace.id, block.hash)
+            if entry is not None:
+                on_disk.append(entry)
+            elif (block.namespace.id, block.hash) not in self._writes:
                 groups[block.namespace].append(block)
+        self.index.demoted(on_disk)  # (before the writes below evict files to make room)
         for ns, blocks in groups.items():
             self._stage_and_write(ns, blocks)
 
