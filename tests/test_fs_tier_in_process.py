@@ -82,11 +82,13 @@ def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> 
         shm_dir.rmdir()
 
 
-def hold_io_threads(fs: FsTier) -> threading.Event:
-    """Keep every I/O thread of the tier busy until the returned gate is set."""
+def hold_io_threads(fs: FsTier, readers: bool = True) -> threading.Event:
+    """Keep every I/O thread of the tier (those that write, and unless told not to, those that read)
+    busy until the returned gate is set."""
     gate = threading.Event()
-    for _ in range(fs.settings.io_threads):
-        fs.executor.submit(gate.wait)
+    for executor in (fs.executor, fs.readers) if readers else (fs.executor,):
+        for _ in range(fs.settings.io_threads):
+            executor.submit(gate.wait)
     return gate
 
 
@@ -219,5 +221,23 @@ def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
         assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, d) is not None
         assert t.fs.index.get(t.ns.id, a) is not None and t.path(a).exists()  # C's file made room instead
         assert t.fs.index.get(t.ns.id, c) is None
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_promotion_does_not_wait_behind_queued_writes(tmp_path):
+    """Every writing thread busy (a burst of demotions on a slow disk): a load's reads still go on."""
+    a, b, c, d, e = chain_hashes("not-behind-writes", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        gate = hold_io_threads(t.fs, readers=False)
+        try:
+            await asyncio.wait_for(t.fs.promote(t.ns, [a]), timeout=10)
+        finally:
+            gate.set()
+        assert a in t.ns.blocks
 
     run_with_tiers(tmp_path, body)

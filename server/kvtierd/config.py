@@ -69,7 +69,7 @@ class Config:
     fs_eviction: str = _option("lru", "Eviction policy of the filesystem tier.", str, ("lru", "arc"))
     fs_write_through: bool = _option(False, "Also write every committed block to disk (not only evicted ones).", _parse_bool)
     fs_io_threads: int = _option(
-        8, "Threads doing the filesystem tier's file I/O (each writes, fsyncs and renames a block file).", int
+        8, "Threads writing the filesystem tier's files (each writes, fsyncs and renames a block file); as many more read.", int
     )
     fs_direct_io: bool = _option(False, "Use O_DIRECT for block files where the filesystem allows it.", _parse_bool)
     fs_queue_size: int = _option(

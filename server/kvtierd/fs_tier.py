@@ -12,7 +12,8 @@ block skipped is still demoted when it is evicted). (Write-through used to copy 
 from held pool pages: 0.58 of dd-style writes against 0.70 for this, in alternating runs here.)
 
 Promotion reserves pool pages (a reservation that never expires, since a thread writes into its pages
-until the read returns), reads each file straight into those pages, all reads of one call in parallel,
+until the read returns), reads each file straight into those pages, all reads of one call in parallel
+on threads of their own (--fs-io-threads more), so that a load never waits behind queued writes,
 verifies them and commits the reservation. A block that fails (bad checksum, truncated, missing) is
 dropped from both tiers, so the prefix ends before it.
 
@@ -125,6 +126,7 @@ class FsTier:
         self.direct = False
         self.staging = StagingBuffers(settings.queue_bytes)
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
+        self.readers = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-read")  # not behind writes
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._deleted_while_promoted: set[Key] = set()  # not to be committed when their reads return
@@ -202,6 +204,7 @@ class FsTier:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
         await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.readers.shutdown(wait=False, cancel_futures=True)
 
     async def keep_index_file(self) -> None:
         """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
@@ -518,7 +521,7 @@ class FsTier:
     def _read(self, path: Path, function, *args) -> asyncio.Future:
         """`_run` a read of the file `path`, which is not reused for another block meanwhile."""
         self._reading[path] += 1
-        future = self._run(function, *args)
+        future = self._run(function, *args, executor=self.readers)
         future.add_done_callback(lambda _: self._unread([path]))
         return future
 
@@ -528,8 +531,8 @@ class FsTier:
             if not self._reading[path]:
                 del self._reading[path]
 
-    def _run(self, function, *args) -> asyncio.Future:
-        future = asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+    def _run(self, function, *args, executor: ThreadPoolExecutor | None = None) -> asyncio.Future:
+        future = asyncio.get_running_loop().run_in_executor(executor or self.executor, function, *args)
         self._jobs.add(future)
         future.add_done_callback(self._jobs.discard)
         return future
