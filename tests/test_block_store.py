@@ -197,3 +197,26 @@ def test_repeated_hashes_in_a_lookup_pin_each_block_once():
     result = store.reserve("s", ns, chain_hashes("dup", 1) * 3)
     assert result.statuses.tolist() == [pb.BLOCK_STATUS_RESERVED, pb.BLOCK_STATUS_IN_PROGRESS, pb.BLOCK_STATUS_IN_PROGRESS]
     assert_accounting(store)
+
+
+def test_a_failing_eviction_hook_leaves_the_pool_accounting_straight():
+    """Demotion (the eviction hook) is best effort: should it raise, the victims are still evicted and
+    their pages reused; nothing is leaked and the store goes on."""
+    store, _ = make_store(pages=8)
+    ns = store.register(spec(block_bytes=PAGE))
+    first = chain_hashes("hook-first", 8)
+    store_blocks(store, ns, first)
+    seen = []
+
+    def failing_hook(victims):
+        seen.extend(v.hash for v in victims)
+        raise RuntimeError("the disk tier failed")
+
+    store.on_evict = failing_hook
+    second = chain_hashes("hook-second", 2)
+    assert store_blocks(store, ns, second).reservation is not None
+    assert seen == first[:2] and store.lookup("s1", ns, second, pin=False)[0] == 2
+    assert not any(h in ns.blocks for h in first[:2]) and len(ns.blocks) == 8
+    assert_accounting(store)
+    assert store_blocks(store, ns, chain_hashes("hook-third", 2)).reservation is not None  # still evicting
+    assert_accounting(store)

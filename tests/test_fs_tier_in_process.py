@@ -17,7 +17,7 @@ from blocks import block_content, chain_hashes, contents, spec
 
 from kvtier import checksum
 from kvtier.pool_view import decode_page_ids
-from kvtierd import fs_tier
+from kvtierd import fs_staging, fs_tier
 from kvtierd.block_store import BlockStore, Namespace
 from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
 from kvtierd.fs_tier import FsSettings, FsTier
@@ -239,5 +239,29 @@ def test_a_promotion_does_not_wait_behind_queued_writes(tmp_path):
         finally:
             gate.set()
         assert a in t.ns.blocks
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_no_memory_for_staging_leaves_every_account_straight(tmp_path, monkeypatch):
+    """The staging buffer of a demotion cannot be had (MemoryError): the block goes unwritten, and the
+    pool, the tier's bytes and the staging queue are as if it had never been tried; later ones go on."""
+    a, b, c, d, e, f = chain_hashes("no-memory", 6)
+
+    def no_memory(size):
+        raise MemoryError
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        with monkeypatch.context() as patch:
+            patch.setattr(fs_staging, "aligned_empty", no_memory)
+            await t.put(e, 0)  # A is evicted from the pool, not written
+        await t.settle()
+        assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None
+        assert t.fs.index.inflight_bytes == 0 and t.fs.staging.queued == 0 and t.fs.health.skipped["no_memory"] == 1
+        assert t.store.pages.free == 0 and len(t.ns.blocks) == 4  # B, C, D, E: A's pages went to E
+        await t.put(f, 1)  # B goes to disk as usual
+        assert t.fs.index.get(t.ns.id, b) is not None
 
     run_with_tiers(tmp_path, body)

@@ -12,6 +12,7 @@ evicted; every page is either free or owned by exactly one block that still hold
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -32,6 +33,8 @@ from kvtierd.errors import (
 from kvtierd.eviction import make_policy
 from kvtierd.id_allocator import IdAllocator
 from kvtierd.namespace import namespace_digest, validate_spec
+
+log = logging.getLogger("kvtierd.store")
 
 RAM_TIER = "ram"
 _ADMISSION_MEMORY = 1 << 20  # offers remembered for --store-threshold
@@ -423,7 +426,10 @@ class BlockStore:
         if not victims:
             return
         if self.on_evict is not None:
-            self.on_evict(victims)
+            try:
+                self.on_evict(victims)
+            except Exception:  # (demotion is best effort: the pool's accounting must hold whatever it does)
+                log.exception("the eviction hook failed; its victims are evicted without it")
         for victim in victims:  # committed and unpinned (they were in the policy): free them together
             victim.namespace.counters.evictions += 1
             del victim.namespace.blocks[victim.hash]

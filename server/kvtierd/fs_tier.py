@@ -375,12 +375,19 @@ class FsTier:
             self.health.skipped["queue_full"] += len(blocks) - room
             blocks = blocks[:room]
         checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
-        for block, checksum in zip(blocks, checksums, strict=True):  # each write starts once its copy is made
+        for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):  # each write starts once its copy is made
             victims = self.index.reserve(ns.block_bytes)
             if victims is None:
                 self.health.skipped["tier_full"] += 1
                 continue
-            buffer = self.staging.take(stride)
+            try:
+                buffer = self.staging.take(stride)
+            except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
+                self.index.unreserve(ns.block_bytes)
+                self._remove([self._path(v) for v in victims])
+                self.health.skipped["no_memory"] += len(blocks) - i
+                log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
+                return
             page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
             self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
             job = _Write(ns, block.hash, time.time())

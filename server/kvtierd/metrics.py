@@ -97,7 +97,7 @@ def _fs_metrics(fs: FsTier, counters: FsCounters):
     errors.add_metric(["write"], health.write_errors)
     yield errors
     skipped = CounterMetricFamily("kvtierd_fs_skipped_blocks", "Blocks not written to disk, by reason.", labels=["reason"])
-    for reason in ("paused", "queue_full", "tier_full"):
+    for reason in ("paused", "queue_full", "tier_full", "no_memory"):
         skipped.add_metric([reason], health.skipped[reason])
     yield skipped
     yield GaugeMetricFamily("kvtierd_fs_stores_paused", "1 while writes to disk are paused after a failure.", value=health.paused)
