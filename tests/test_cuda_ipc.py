@@ -17,6 +17,7 @@ from blocks import spec
 from daemon import DaemonProcess
 
 from kvtier.client import KVTierClient
+from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
 torch = pytest.importorskip("torch")
@@ -103,6 +104,29 @@ def test_round_trip_engine_a_to_engine_b_byte_exact(start_daemon, layout):
         ns = client.register(namespace_spec(Geometry(**GEOMETRY), layout))
         inline = client.load(ns, block_hashes(7, 8), transport="inline")
     assert np.array_equal(inline, seeded_blocks(Geometry(**GEOMETRY), 7, 40)[:8].cpu().numpy())
+
+
+@gpu
+def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(start_daemon):
+    """A block whose bytes in the pool went bad: the cuda_ipc load fails (the engine recomputes), the
+    block leaves the daemon, and the engine's next store of it puts good bytes back."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    store = [{"fill": list(range(8)), "seed": 5}, {"store": list(range(8)), "seed": 5}]
+    assert results(engine(daemon.address, store, "BLHNC"))[1]["stored_blocks"] == 8
+    bad = block_hashes(5, 8)[3]
+    namespace = daemon.admin("ListNamespaces").namespaces[0].id
+    info, inspected = daemon.admin("GetInfo"), daemon.admin("InspectBlock", namespace=namespace, hash=bad)
+    pool = PoolMapping(info.pool.shm_path, info.pool.size_bytes, info.pool.page_size)
+    pool.view.pages[decode_page_ids(inspected.page_ids, len(inspected.page_ids) // 4)[0, 0], :64] ^= 0x5A
+    pool.close()
+    load = [{"load": list(range(8, 16)), "seed": 5}]
+    assert not results(engine(daemon.address, load, "BLHNC"))[0]["loaded"]
+    held = {b.hash for b in daemon.admin("ListBlocks", namespace=namespace).blocks}
+    assert bad not in held and len(held) == 7 and "failed their checksum on a load; dropped" in daemon.log()
+    results(engine(daemon.address, store, "BLHNC"))
+    assert bad in {b.hash for b in daemon.admin("ListBlocks", namespace=namespace).blocks}
+    again = results(engine(daemon.address, [*load, {"check": list(range(8, 16)), "seed": 5}], "BLHNC"))
+    assert again[0]["loaded"] and again[1]["matches"]
 
 
 @gpu

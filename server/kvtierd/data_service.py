@@ -215,11 +215,20 @@ class DataService(pb_grpc.KVTierServicer):
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
             if bad.any():
                 self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
+                self._drop_corrupt(ns, [block.hash for block, failed in zip(lease.blocks, bad.tolist(), strict=True) if failed])
                 raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
             return response
         finally:
             with contextlib.suppress(NotFound):  # it expired during the copy: nothing left to release
                 self.store.release(session_id, lease.id)
+
+    def _drop_corrupt(self, ns: Namespace, hashes: list[bytes]) -> None:
+        """Blocks whose bytes failed their checksum leave both tiers, so the engine's next store of
+        them (after it recomputed them) replaces them instead of finding them there."""
+        self.store.delete(ns, hashes)
+        if self.fs is not None:
+            self.fs.delete(ns.id, hashes)
+        log.warning("blocks failed their checksum on a load; dropped", extra={"namespace": ns.id, "blocks": len(hashes)})
 
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
         ns = lease.namespace
