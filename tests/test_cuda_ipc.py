@@ -114,7 +114,7 @@ def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(star
     store = [{"fill": list(range(8)), "seed": 5}, {"store": list(range(8)), "seed": 5}]
     assert results(engine(daemon.address, store, "BLHNC"))[1]["stored_blocks"] == 8
     bad = block_hashes(5, 8)[3]
-    namespace = daemon.admin("ListNamespaces").namespaces[0].id
+    namespace = daemon.admin("ListNamespaces").namespaces[0].namespace
     info, inspected = daemon.admin("GetInfo"), daemon.admin("InspectBlock", namespace=namespace, hash=bad)
     pool = PoolMapping(info.pool.shm_path, info.pool.size_bytes, info.pool.page_size)
     pool.view.pages[decode_page_ids(inspected.page_ids, len(inspected.page_ids) // 4)[0, 0], :64] ^= 0x5A
