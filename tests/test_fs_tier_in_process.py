@@ -265,3 +265,38 @@ def test_no_memory_for_staging_leaves_every_account_straight(tmp_path, monkeypat
         assert t.fs.index.get(t.ns.id, b) is not None
 
     run_with_tiers(tmp_path, body)
+
+
+def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp_path, monkeypatch):
+    """A block deleted, its file's removal still queued, when the index file is written: should the
+    daemon die before the removal, its next start must see the file (its directory listed, not taken
+    from the index file), or it would sit on disk uncounted against --fs-size, never removed."""
+    a, b, c, d, e = chain_hashes("removal-queued", 5)
+    gate, held = threading.Event(), set()
+
+    def held_unlink_all(paths):
+        if held.intersection(paths):
+            gate.wait()
+        real_unlink_all(paths)
+
+    real_unlink_all = fs_tier._unlink_all
+    monkeypatch.setattr(fs_tier, "_unlink_all", held_unlink_all)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        await asyncio.sleep(0.6)  # (a directory changed in the last 0.5 s is never taken from the index file)
+        held.add(t.path(a))
+        try:
+            t.fs.delete(t.ns.id, [a])  # its file's removal waits at the gate
+            await t.fs.save_index()
+            restarted = FsTier(t.fs.settings, t.pool, BlockStore(num_pages=4, page_size=BLOCK))
+            restarted.open()  # as after a crash now
+            restarted.executor.shutdown()
+            restarted.readers.shutdown()
+            assert t.path(a).exists() and restarted.index.get(t.ns.id, a) is not None
+        finally:
+            gate.set()
+
+    run_with_tiers(tmp_path, body)

@@ -133,6 +133,7 @@ class FsTier:
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
+        self._removing: Counter[Path] = Counter()  # fan-out directories with removals queued or running
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._saved_changes = -1  # index.changes when the index file was last written
 
@@ -214,7 +215,7 @@ class FsTier:
 
     async def save_index(self) -> None:
         """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
-        mtimes are taken first, then those with writes in flight are left out, then the hashes copied,
+        mtimes are taken first, then those with writes or removals in flight are left out, then the hashes copied,
         then the directories renamed into or removed from since the last index file are fsync'd, so
         the names on disk are those the file records."""
         changes = self.index.changes
@@ -225,6 +226,8 @@ class FsTier:
             mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
             for ns_id, block_hash in self._writes:
                 mtimes.get(ns_id, {}).pop(fanout_of(block_hash), None)
+            for directory in self._removing:  # (a crash before the removal would leave a file unlisted)
+                mtimes.get(directory.parent.name, {}).pop(directory.name, None)
             hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
             unsynced, self._unsynced = self._unsynced, set()
             try:
@@ -393,6 +396,7 @@ class FsTier:
             job = _Write(ns, block.hash, time.time())
             self._writes[(ns.id, block.hash)] = job
             evicted = [self._path(v) for v in victims]
+            self._removing.update(path.parent for path in evicted)
             reuse = next((path for path in evicted if not self._reading[path]), None)
             future = self._run(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
             future.add_done_callback(partial(self._written, job, buffer, evicted))
@@ -423,7 +427,7 @@ class FsTier:
         it are gone (one of them may have become it): its staging buffer goes back, and the block is
         indexed unless it was deleted meanwhile."""
         self.staging.give_back(buffer)
-        self._unsynced.update(path.parent for path in evicted)
+        self._removed(evicted)
         ns = job.namespace
         del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
@@ -522,8 +526,17 @@ class FsTier:
 
     def _remove(self, paths: list[Path]) -> None:
         """Unlink files on an I/O thread; their directories are fsync'd before the next index file."""
+        self._removing.update(path.parent for path in paths)
         future = self._run(_unlink_all, paths)
-        future.add_done_callback(lambda _: self._unsynced.update(path.parent for path in paths))
+        future.add_done_callback(lambda _: self._removed(paths))
+
+    def _removed(self, paths: list[Path]) -> None:
+        directories = [path.parent for path in paths]
+        self._unsynced.update(directories)
+        self._removing.subtract(directories)
+        for directory in set(directories):
+            if not self._removing[directory]:
+                del self._removing[directory]
 
     def _read(self, path: Path, function, *args) -> asyncio.Future:
         """`_run` a read of the file `path`, which is not reused for another block meanwhile."""
