@@ -39,6 +39,7 @@ class Tiers:
         reservation = self.store.reserve("s", self.ns, [block_hash]).reservation
         self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, self.ns.pages_per_block), data)
         self.store.commit("s", reservation.id, checksum.block_checksums(data))
+        self.fs.committed(self.ns, reservation.blocks)  # (as the daemon's Commit does)
         while len(self.fs.index) < on_disk:
             await asyncio.sleep(0.005)
 
@@ -252,10 +253,10 @@ def test_no_memory_for_staging_leaves_every_account_straight(tmp_path, monkeypat
         raise MemoryError
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
         with monkeypatch.context() as patch:
-            patch.setattr(fs_staging, "aligned_empty", no_memory)
+            patch.setattr(fs_staging, "aligned_empty", no_memory)  # (nor can they be made ahead)
+            for block_hash in (a, b, c, d):
+                await t.put(block_hash, 0)
             await t.put(e, 0)  # A is evicted from the pool, not written
         await t.settle()
         assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None
@@ -298,5 +299,30 @@ def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp
             assert t.path(a).exists() and restarted.index.get(t.ns.id, a) is not None
         finally:
             gate.set()
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_staging_buffers_are_made_ahead_on_an_io_thread(tmp_path, monkeypatch):
+    """The first commit of a block size has the staging buffers that fit --fs-queue-size made and
+    touched on an I/O thread; demotions then take them, allocating nothing on the event loop."""
+    a, b, c, d, e, f = chain_hashes("made-ahead", 6)
+    loop_thread = threading.get_ident()
+    made_on = []
+
+    def aligned_empty(size):
+        made_on.append(threading.get_ident())
+        return real_aligned_empty(size)
+
+    real_aligned_empty = fs_staging.aligned_empty
+    monkeypatch.setattr(fs_staging, "aligned_empty", aligned_empty)
+
+    async def body(t: Tiers) -> None:
+        await t.put(a, 0)
+        await t.settle()
+        assert t.fs.staging.kept == t.fs.settings.queue_bytes and len(made_on) == 8
+        for block_hash in (b, c, d, e, f):
+            await t.put(block_hash, 2 if block_hash == f else 0)
+        assert len(made_on) == 8 and loop_thread not in made_on
 
     run_with_tiers(tmp_path, body)

@@ -322,7 +322,7 @@ class DataService(pb_grpc.KVTierServicer):
     def _commit(self, session: Session, reservation, sums: np.ndarray) -> int:
         committed = self.store.commit(session.id, reservation.id, sums)
         if self.fs is not None:
-            self.fs.write_through(reservation.namespace, reservation.blocks)
+            self.fs.committed(reservation.namespace, reservation.blocks)
         session.counters.stored_blocks += committed
         session.counters.stored_bytes += committed * reservation.namespace.block_bytes
         return committed

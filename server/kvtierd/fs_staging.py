@@ -50,8 +50,29 @@ class StagingBuffers:
                 self.kept -= kept_size
 
     def give_back(self, buffer: np.ndarray) -> None:
+        self.queued -= len(buffer)
+        self._keep(buffer)
+
+    def spare(self, size: int) -> int:
+        """How many more buffers of `size` bytes fit the limit beside those in use and kept."""
+        return max(0, (self.limit - self.queued - self.kept) // size)
+
+    def keep(self, buffers: list[np.ndarray]) -> None:
+        """Buffers made ahead of need (`touched_buffers`), kept for `take` as far as the limit allows."""
+        for buffer in buffers:
+            self._keep(buffer)
+
+    def _keep(self, buffer: np.ndarray) -> None:
         size = len(buffer)
-        self.queued -= size
         if self.queued + self.kept + size <= self.limit:
             self._free[size].append(buffer)
             self.kept += size
+
+
+def touched_buffers(size: int, count: int) -> list[np.ndarray]:
+    """`count` buffers of `size` bytes with every page written once: first touches are the slow part
+    of fresh memory, so they are made on an I/O thread (the writes let the GIL go)."""
+    buffers = [aligned_empty(size) for _ in range(count)]
+    for buffer in buffers:
+        buffer[:] = 0
+    return buffers

@@ -3,12 +3,13 @@ operation on a thread pool (--fs-io-threads), so the event loop never waits on t
 
 Demotion and write-through copy; they do not hold pages. BlockStore calls `on_evict` with its victims
 while their pages still hold their bytes, and hands those pages to a new reservation as soon as it
-returns; `write_through` gets blocks just committed. Both copy each block's bytes (a numpy gather on
-the loop, which releases the GIL: about 0.2 ms per 2 MiB block) into an aligned staging buffer and
-start its write at once, so the disk is busy while the next blocks are copied; nothing reads the
-pool pages later. Staging buffers are reused (fs_staging); their bytes waiting for the disk are
-bounded by --fs-queue-size; blocks beyond it are not written (counted as skipped; a write-through
-block skipped is still demoted when it is evicted). (Write-through used to copy on the I/O threads
+returns; `committed` gets blocks just committed (written through with --fs-write-through). Both copy
+each block's bytes (a numpy gather on the loop, which releases the GIL: about 0.1-0.2 ms per 2 MiB
+block) into an aligned staging buffer and start its write at once, so the disk is busy while the
+next blocks are copied; nothing reads the pool pages later. Staging buffers are made and
+first-touched on an I/O thread when a block size is first committed, and reused (fs_staging); their
+bytes waiting for the disk are bounded by --fs-queue-size; blocks beyond it are not written (counted
+as skipped; a write-through block skipped is still demoted when it is evicted). (Write-through used to copy on the I/O threads
 from held pool pages: 0.58 of dd-style writes against 0.70 for this, in alternating runs here.)
 
 Promotion reserves pool pages (a reservation that never expires, since a thread writes into its pages
@@ -70,7 +71,7 @@ from kvtierd.fs_format import (
 )
 from kvtierd.fs_index import FsCounters, FsEntry, FsIndex
 from kvtierd.fs_snapshot import INDEX_FILE, directory_mtimes, read_index_file, write_index_file
-from kvtierd.fs_staging import StagingBuffers
+from kvtierd.fs_staging import StagingBuffers, touched_buffers
 from kvtierd.shm_pool import SharedPool
 
 log = logging.getLogger("kvtierd.fs")
@@ -136,6 +137,7 @@ class FsTier:
         self._removing: Counter[Path] = Counter()  # fan-out directories with removals queued or running
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._saved_changes = -1  # index.changes when the index file was last written
+        self._staging_sizes: set[int] = set()  # sizes of the staging buffers made ahead of need
 
     # ------------------------------------------------------------------ start and stop
 
@@ -362,10 +364,30 @@ class FsTier:
         for ns, blocks in groups.items():
             self._stage_and_write(ns, blocks)
 
-    def write_through(self, ns: Namespace, blocks: list[Block]) -> None:
-        """With --fs-write-through: write newly committed blocks to disk."""
+    def committed(self, ns: Namespace, blocks: list[Block]) -> None:
+        """Blocks just committed to the pool: written through with --fs-write-through. The first
+        commit of a block size also has its staging buffers made ahead of the first demotions."""
+        self._make_staging(align_up(ns.block_bytes))
         if self.settings.write_through:
             self._stage_and_write(ns, [b for b in blocks if ns.blocks.get(b.hash) is b and self._wanted(ns, b.hash)])
+
+    def _make_staging(self, stride: int) -> None:
+        """Make (and first-touch) the staging buffers of `stride` bytes that fit --fs-queue-size on an
+        I/O thread, once per size: first touches on the event loop, when a burst of evictions needs
+        the buffers, would hold it up (about 0.7 s per GiB on a VM)."""
+        if stride in self._staging_sizes:
+            return
+        self._staging_sizes.add(stride)
+        count = self.staging.spare(stride)
+        if count:
+            self._run(touched_buffers, stride, count).add_done_callback(self._staging_made)
+
+    def _staging_made(self, future: asyncio.Future) -> None:
+        exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            log.warning("fs tier: staging buffers not made ahead; they are made when needed", extra={"reason": str(exc)})
+            return
+        self.staging.keep(future.result())
 
     def _stage_and_write(self, ns: Namespace, blocks: list[Block]) -> None:
         """Copy each block's bytes out of the pool into a staging buffer and start its write."""
