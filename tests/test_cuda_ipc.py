@@ -31,10 +31,7 @@ GEOMETRY = {"layers": 4, "heads": 8, "block_size": 16, "head_size": 128, "num_bl
 
 def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daemon):
     daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
-    cache = pb.CudaKVCache(
-        device_uuid="GPU-0", allocations=[pb.CudaAllocation(ipc_handle=b"x", size_bytes=1 << 20)], num_blocks=4
-    )
-    cache.runs.add(allocation=0, offset=0, block_stride=4096, size_bytes=4096)
+    cache = well_formed_cache()
     with KVTierClient(daemon.address, engine_name="gpu-engine") as client:
         ns = client.register(spec(block_bytes=4096), cache)
         assert not ns.cuda_registration
@@ -46,6 +43,57 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
         assert not malformed.cuda_registration and "beyond its allocation" in malformed.cuda_refused
         assert malformed.id == ns.id
     assert "cuda_ipc refused" in daemon.log()
+
+
+def well_formed_cache() -> pb.CudaKVCache:
+    """What an engine with 4 blocks of 4 KiB in one 1 MiB allocation sends (the handles made up)."""
+    cache = pb.CudaKVCache(
+        device_uuid="GPU-0",
+        allocations=[pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_offset=9)],
+        num_blocks=4,
+        ready_event=b"e" * 64,
+    )
+    cache.runs.add(allocation=0, offset=0, block_stride=4096, size_bytes=4096)
+    return cache
+
+
+MALFORMED = {
+    "no ready event": (lambda c: c.ClearField("ready_event"), "needs the engine's ready event"),
+    "ref counter slot outside its file": (lambda c: setattr(c.allocations[0], "ref_counter_offset", 1 << 40), "ref_counter"),
+    "runs not adding up to the block": (lambda c: setattr(c.runs[0], "size_bytes", 2048), "bytes per block"),
+    "a run's size in the exabytes": (lambda c: setattr(c.runs[0], "block_stride", 1 << 62), "must be below"),
+    "an allocation in the exabytes": (lambda c: setattr(c.allocations[0], "size_bytes", 1 << 63), "must be below"),
+    "a run beyond its allocation": (lambda c: setattr(c.runs[0], "block_stride", 1 << 20), "beyond its allocation"),
+    "a run in a missing allocation": (lambda c: setattr(c.runs[0], "allocation", 1), "names allocation"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_cuda_kv_is_refused_before_any_cuda_call(start_daemon, case):
+    """Refused (the namespace still works over shm) with the reason, even on a daemon with CUDA,
+    before torch opens anything: no number an engine sends reaches the driver or the kernel unchecked."""
+    daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
+    cache = well_formed_cache()
+    spoil, reason = MALFORMED[case]
+    spoil(cache)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=4096), cache)
+        assert not ns.cuda_registration and reason in ns.cuda_refused, ns.cuda_refused
+        assert client.lookup(ns, [b"h" * 32]).hit_count == 0
+    assert daemon.process.poll() is None
+
+
+def test_a_registration_serves_only_its_own_namespace():
+    """The kernel reads a block's pool pages with the page count of the namespace the registration was
+    made for: a Load or Reserve naming another namespace (another block size) is refused."""
+    from kvtierd.errors import InvalidArgument
+    from kvtierd.gpu_transfers import CudaRegistration, GpuTransfers
+
+    transfers = GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
+    transfers._registrations["reg"] = CudaRegistration("reg", "session", "ns-a", 0, [], None, 4, None)
+    assert transfers.registration("session", "reg", "ns-a").namespace_id == "ns-a"
+    with pytest.raises(InvalidArgument, match="for namespace ns-a, not ns-b"):
+        transfers.registration("session", "reg", "ns-b")
 
 
 def engine(  # noqa: PLR0913

@@ -17,10 +17,14 @@ from blocks import block_content, chain_hashes, contents, spec
 
 from kvtier import checksum
 from kvtier.pool_view import decode_page_ids
+from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd import fs_staging, fs_tier
 from kvtierd.block_store import BlockStore, Namespace
+from kvtierd.data_service import DataService
+from kvtierd.errors import Unauthenticated
 from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
 from kvtierd.fs_tier import FsSettings, FsTier
+from kvtierd.sessions import SessionRegistry
 from kvtierd.shm_pool import SharedPool
 
 BLOCK = 64 << 10  # one pool page; the pool holds four blocks, the tier two
@@ -324,5 +328,37 @@ def test_staging_buffers_are_made_ahead_on_an_io_thread(tmp_path, monkeypatch):
         for block_hash in (b, c, d, e, f):
             await t.put(block_hash, 2 if block_hash == f else 0)
         assert len(made_on) == 8 and loop_thread not in made_on
+
+    run_with_tiers(tmp_path, body)
+
+
+@pytest.mark.parametrize("ending", ["caller-cancelled", "session-ended"])
+def test_a_pinned_lookup_ended_during_its_promotion_leaves_no_lease(tmp_path, ending):
+    """A pinned lookup whose prefix runs from the pool onto the disk pins the pool part, then waits for
+    the promotion: if its caller is cancelled (a deadline) or its session ends meanwhile, the pool
+    part is let go at once, not held until the lease's time runs out."""
+    a, b, c, d, e = chain_hashes(f"lease-{ending}", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk; E is in the pool
+        sessions = SessionRegistry()
+        service = DataService(t.store, t.pool, sessions, None, pb.Limits(), pb.PoolInfo(), t.fs, None)
+        session = sessions.open(pb.Hello(engine_name="engine"), "peer")
+        gate = hold_io_threads(t.fs)
+        find = asyncio.ensure_future(service._find(session.id, t.ns, [e, a], pin=True))
+        await asyncio.sleep(0.05)
+        assert len(t.store._leases) == 1  # E pinned, A being read
+        if ending == "caller-cancelled":
+            find.cancel()
+        else:
+            sessions.close(session.id)
+            t.store.drop_session(session.id)
+        gate.set()
+        with pytest.raises(asyncio.CancelledError if ending == "caller-cancelled" else Unauthenticated):
+            await find
+        await t.settle()
+        assert not t.store._leases and a in t.ns.blocks  # (the promotion itself went through)
 
     run_with_tiers(tmp_path, body)

@@ -106,10 +106,13 @@ class DataService(pb_grpc.KVTierServicer):
         response = pb.RegisterResponse(namespace=ns.id, block_bytes=ns.block_bytes, pages_per_block=ns.pages_per_block)
         if request.HasField("cuda_kv"):
             try:
-                response.cuda_registration = self.gpu.register(session.id, request.cuda_kv, ns.block_bytes).id
+                response.cuda_registration = self.gpu.register(session.id, request.cuda_kv, ns.id, ns.block_bytes).id
             except (FailedPrecondition, InvalidArgument) as exc:  # the namespace stands; the engine uses TRANSPORT_SHM
                 response.cuda_refused = str(exc)
                 log.warning("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
+            except Exception as exc:  # noqa: BLE001 (e.g. no GPU memory left for the daemon's context): the same
+                response.cuda_refused = f"this daemon failed to open the KV cache: {exc}"
+                log.exception("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
         return response
 
     def _session_namespace(self, session_id: str, namespace_id: str):
@@ -145,7 +148,14 @@ class DataService(pb_grpc.KVTierServicer):
         more, from_disk = self.fs.lookup(ns, blocks[hit:])
         if not pin or not from_disk:
             return hit + more, lease
-        await self.fs.promote(ns, from_disk)
+        try:
+            await self.fs.promote(ns, from_disk)
+            self.sessions.get(session_id)  # it may have ended meanwhile (its holds were let go then)
+        except BaseException:  # (the caller's deadline, or its session gone): the pool part is let go now
+            if lease is not None:
+                with contextlib.suppress(NotFound):
+                    self.store.release(session_id, lease.id)
+            raise
         lease = self.store.extend_lease(session_id, ns, lease, blocks[hit : hit + more])
         return (len(lease.blocks) if lease is not None else 0), lease
 
@@ -174,7 +184,9 @@ class DataService(pb_grpc.KVTierServicer):
         session, ns = self._session_namespace(request.session_id, request.namespace)
         transport = _check_transport(request.transport)
         registration = (
-            self.gpu.registration(session.id, request.cuda_ipc.registration_id) if transport == pb.TRANSPORT_CUDA_IPC else None
+            self.gpu.registration(session.id, request.cuda_ipc.registration_id, ns.id)
+            if transport == pb.TRANSPORT_CUDA_IPC
+            else None
         )
         if request.lease_id:
             lease = self.store.lease(session.id, request.lease_id)
@@ -266,7 +278,7 @@ class DataService(pb_grpc.KVTierServicer):
 
     async def _store_cuda(self, session: Session, ns: Namespace, request: pb.ReserveRequest) -> pb.ReserveResponse:
         """Reserve, copy from the engine's GPU blocks, checksum and commit, in one call."""
-        registration = self.gpu.registration(session.id, request.cuda_ipc.registration_id)
+        registration = self.gpu.registration(session.id, request.cuda_ipc.registration_id, ns.id)
         hashes = self.store.split_hashes(ns, request.hashes)
         device_blocks = np.asarray(request.cuda_ipc.device_block_ids, dtype=np.int64)
         if len(device_blocks) != len(hashes):

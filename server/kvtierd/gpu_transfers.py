@@ -42,12 +42,15 @@ LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before
 POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
 FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
+MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
+REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
 
 
 @dataclass
 class CudaRegistration:
     id: str
     session_id: str
+    namespace_id: str  # the namespace it was registered with: its block size and pages fit only that one
     device_index: int
     storages: list  # torch.UntypedStorage opened through CUDA IPC
     layout: object  # gpu_copy.GpuLayout over the storages
@@ -74,29 +77,20 @@ class GpuTransfers:
 
     # ------------------------------------------------------------------ registration
 
-    def register(self, session_id: str, cache: pb.CudaKVCache, block_bytes: int) -> CudaRegistration:
-        """Open an engine worker's KV cache; raises InvalidArgument for a malformed description and
-        FailedPrecondition when this daemon cannot (no CUDA, pool not registered, another GPU)."""
-        if not cache.allocations or not cache.runs or cache.num_blocks == 0:
-            raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
-        runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
-        for run in runs:
-            if run.allocation >= len(cache.allocations):
-                raise InvalidArgument(f"run {run} names allocation {run.allocation} of {len(cache.allocations)}")
-            end = run.offset + (cache.num_blocks - 1) * run.block_stride + run.size
-            if end > cache.allocations[run.allocation].size_bytes:
-                raise InvalidArgument(f"run {run} reaches byte {end}, beyond its allocation")
+    def register(self, session_id: str, cache: pb.CudaKVCache, namespace_id: str, block_bytes: int) -> CudaRegistration:
+        """Open an engine worker's KV cache for one namespace; raises InvalidArgument for a malformed
+        description and FailedPrecondition when this daemon cannot (no CUDA, pool not registered,
+        another GPU). Everything the engine sends is checked before the first CUDA call."""
+        runs = _checked_runs(cache, block_bytes)
         try:
             template = SegmentTemplate.build(runs, self.page_size)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        if template.block_bytes != block_bytes:
-            raise InvalidArgument(f"cuda_kv runs hold {template.block_bytes} bytes per block; the namespace says {block_bytes}")
-        torch = _cuda_torch()
         if self.kernel_error:
             raise FailedPrecondition(f"the copy kernel did not compile: {self.kernel_error}")
         if not self.pool_registered:
             raise FailedPrecondition("the pool is not registered with CUDA (no CUDA runtime, or --cuda-register false)")
+        torch = _cuda_torch()
         device_index = _device_by_uuid(torch, cache.device_uuid)
         with torch.cuda.device(device_index):
             try:
@@ -111,6 +105,7 @@ class GpuTransfers:
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
+            namespace_id=namespace_id,
             device_index=device_index,
             storages=storages,
             layout=layout,
@@ -132,12 +127,16 @@ class GpuTransfers:
         )
         return registration
 
-    def registration(self, session_id: str, registration_id: str) -> CudaRegistration:
+    def registration(self, session_id: str, registration_id: str, namespace_id: str) -> CudaRegistration:
         registration = self._registrations.get(registration_id)
         if registration is None or registration.closing:
             raise NotFound(f"cuda registration {registration_id!r} is unknown (register again after a reconnect)")
         if registration.session_id != session_id:
             raise PermissionDenied(f"cuda registration {registration_id!r} belongs to another session")
+        if registration.namespace_id != namespace_id:
+            raise InvalidArgument(
+                f"cuda registration {registration_id!r} is for namespace {registration.namespace_id}, not {namespace_id}"
+            )
         return registration
 
     # ------------------------------------------------------------------ copies
@@ -286,6 +285,32 @@ def _cuda_torch():
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device")
     return torch
+
+
+def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
+    """The cache's runs, once every number in it is in bounds: runs within their allocations, adding
+    up to the namespace's block, and each allocation's ref counter slot within torch's file."""
+    if not cache.allocations or not cache.runs or cache.num_blocks == 0:
+        raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
+    if not cache.ready_event:
+        raise InvalidArgument("cuda_kv needs the engine's ready event (stores wait on it)")
+    for allocation in cache.allocations:
+        if max(allocation.size_bytes, allocation.offset) >= MAX_FIELD:
+            raise InvalidArgument(f"allocation sizes and offsets must be below {MAX_FIELD}")
+        if allocation.ref_counter_offset >= REF_COUNTER_SLOTS:
+            raise InvalidArgument(f"ref_counter_offset must be below {REF_COUNTER_SLOTS}")
+    runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
+    if cache.num_blocks >= MAX_FIELD or any(max(r.offset, r.block_stride, r.size) >= MAX_FIELD for r in runs):
+        raise InvalidArgument(f"num_blocks and run offsets, strides and sizes must be below {MAX_FIELD}")
+    if sum(r.size for r in runs) != block_bytes:
+        raise InvalidArgument(f"cuda_kv runs hold {sum(r.size for r in runs)} bytes per block; the namespace says {block_bytes}")
+    for run in runs:
+        if run.allocation >= len(cache.allocations):
+            raise InvalidArgument(f"run {run} names allocation {run.allocation} of {len(cache.allocations)}")
+        end = run.offset + (cache.num_blocks - 1) * run.block_stride + run.size
+        if end > cache.allocations[run.allocation].size_bytes:
+            raise InvalidArgument(f"run {run} reaches byte {end}, beyond its allocation")
+    return runs
 
 
 def _device_by_uuid(torch, device_uuid: str) -> int:
