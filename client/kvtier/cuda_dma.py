@@ -1,4 +1,5 @@
-"""Batched DMA copies through the CUDA driver's cuMemcpyBatchAsync (driver 12.8 and later).
+"""Batched DMA copies through the CUDA driver's cuMemcpyBatchAsync (its CUDA 13 form, cuMemcpyBatchAsync_v2:
+drivers of CUDA 13 and later; with an older driver `available()` is False and every copy takes the kernel).
 
 The copy engines move host<->device bytes at the full PCIe rate (about 0.98 of a bulk memcpy on an
 H200 for runs of 1 MiB or more), where a kernel reading or writing host memory reaches about 0.92.

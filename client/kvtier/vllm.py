@@ -291,6 +291,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._transfers.configure(plan.namespace_spec)
         return plan
 
+    @guarded()
     def start_load_kv(self, forward_context, **kwargs) -> None:
         plan = self._plan()
         if plan is not None and plan.loads:
@@ -315,6 +316,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if plan is not None and plan.stores:
             self._transfers.save(plan.stores)
 
+    @guarded(default=(None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._transfers is None:
             return None, None
@@ -345,6 +347,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVTierStats(data=dict(data)) if data else None
 
+    @guarded()
     def shutdown(self) -> None:
         self._link.close()
 

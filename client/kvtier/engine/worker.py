@@ -57,6 +57,9 @@ class WorkerStats:
     stored_bytes: int = 0
 
 
+MAX_PENDING_GPU_STORES = 32  # a GPU engine's store calls (one per step) waiting for the daemon; more are skipped
+
+
 class LoadFailed(Exception):
     pass
 
@@ -82,6 +85,7 @@ class BlockTransfers:
     _disabled: str = ""
     _loads: dict[str, tuple[LoadJob, Future]] = field(default_factory=dict)
     _pending_store_bytes: int = 0
+    _pending_gpu_stores: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _device_stores: dict[str, list[Future]] = field(default_factory=dict)  # per request: daemon copies in flight
     _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
@@ -107,7 +111,10 @@ class BlockTransfers:
         self._disabled = ""
         spec.tp_rank = self.tp_rank
         if self._gpu_kv is not None:
-            self.link.set_cuda_kv(self._gpu_kv.describe())
+            try:
+                self.link.set_cuda_kv(self._gpu_kv.describe())
+            except Exception:  # noqa: BLE001 (memory CUDA IPC cannot share, e.g. a sleep-mode allocator's: shm)
+                log.exception("kvtier cannot share this KV cache with the daemon (cuda_ipc); the engine copies (shm)")
         self.link.set_namespace_spec(spec)
 
     @property
@@ -198,9 +205,14 @@ class BlockTransfers:
         if not block_ids or self._disabled or self.kv is None:
             return
         if self._gpu_kv is not None:  # the daemon (cuda_ipc) or our kernel (shm) reads the blocks after this step
+            with self._lock:  # (a slow daemon must not hold ever more finished requests' blocks)
+                if self._pending_gpu_stores >= MAX_PENDING_GPU_STORES or not self.link.available:
+                    self.stats.store_skipped_blocks += len(block_ids)
+                    return
+                self._pending_gpu_stores += 1
             self._gpu_kv.record_ready()
             future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids))
-            future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids)))
+            future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
             for job in jobs:
                 self._device_stores[job.req_id].append(future)
             return
@@ -232,13 +244,14 @@ class BlockTransfers:
 
         return _reserve_write_commit(client, ns, hashes, write)
 
-    def _stored(self, future: Future, size: int, blocks: int) -> None:
+    def _stored(self, future: Future, size: int, blocks: int, gpu_call: bool = False) -> None:
         try:
             stored, error = future.result(), None
-        except Exception as exc:  # noqa: BLE001 (a failed store only costs a future miss)
+        except Exception as exc:  # noqa: BLE001 (a failed or cancelled store only costs a future miss)
             stored, error = 0, exc
         with self._lock:
             self._pending_store_bytes -= size
+            self._pending_gpu_stores -= gpu_call
             if error is not None:
                 self.stats.store_failures += blocks
             self.stats.stored_blocks += stored
