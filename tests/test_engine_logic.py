@@ -16,7 +16,7 @@ from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
 from kvtier.engine.link import DaemonLink, DaemonUnavailable  # noqa: E402
 from kvtier.engine.scheduler import PrefixPlanner  # noqa: E402
-from kvtier.engine.worker import BlockTransfers  # noqa: E402
+from kvtier.engine.worker import MAX_PENDING_GPU_STORES, BlockTransfers  # noqa: E402
 
 BLOCK_TOKENS = 16
 LAYERS, BLOCKS, HEADS, HEAD = 3, 32, 2, 8
@@ -253,3 +253,48 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     wait(lambda: running.done())
     assert worker.finished_stores(set()) == {"r"}  # remembered from before: reported once done
     assert worker.finished_stores({"r", "p"}) == set()
+
+
+def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):
+    """A GPU KV cache whose CUDA IPC export fails (memory cudaIpcGetMemHandle cannot share, such as a
+    sleep-mode allocator's): the worker registers without it and keeps the cache (the engine copies,
+    over shm), instead of raising into vLLM's step."""
+
+    class UnshareableGpuCache:  # what BlockTransfers asks of engine.gpu_kv.GpuKV here
+        block_bytes = engine_spec().block_bytes
+
+        def describe(self):
+            raise RuntimeError("pointer does not correspond to a registered memory region")
+
+    worker = BlockTransfers(link, UnshareableGpuCache())
+    worker.configure(engine_spec().SerializeToString(deterministic=True))
+    assert not worker._disabled and link._cuda_kv is None
+    assert link.submit(lambda client, ns: ns.block_bytes).result(timeout=10) == engine_spec().block_bytes
+
+
+def test_gpu_stores_waiting_for_a_slow_daemon_are_bounded(link):
+    """A GPU engine's stores queue on the link while the daemon is slow: past MAX_PENDING_GPU_STORES
+    calls a step's stores are skipped, so finished requests do not hold ever more of vLLM's blocks."""
+
+    class GpuCache:  # what BlockTransfers asks of engine.gpu_kv.GpuKV for a store
+        block_bytes = engine_spec().block_bytes
+        ready = 0
+
+        def describe(self):
+            raise RuntimeError("no CUDA here: the engine copies (shm)")
+
+        def record_ready(self):
+            self.ready += 1
+
+    cache = GpuCache()
+    worker = BlockTransfers(link, cache, delay_frees=True)
+    worker.configure(engine_spec().SerializeToString(deterministic=True))
+    release = threading.Event()
+    busy = link.submit(lambda client, ns: release.wait(30))  # the daemon's answer is slow in coming
+    for step in range(MAX_PENDING_GPU_STORES + 5):
+        worker.save([StoreJob(f"r{step}", [step % 8], chain_hashes(f"slow-{step}", 1))])
+    assert cache.ready == MAX_PENDING_GPU_STORES and worker.stats.store_skipped_blocks == 5
+    release.set()
+    wait(lambda: busy.done() and worker._pending_gpu_stores == 0, timeout=30)  # (each then fails: no to_pool)
+    worker.save([StoreJob("after", [0], chain_hashes("after", 1))])
+    assert cache.ready == MAX_PENDING_GPU_STORES + 1
