@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import msgpack
 import numpy as np
 import pytest
 from blocks import block_content, chain_hashes, contents, spec
@@ -519,3 +520,24 @@ def test_tier_off_refuses_fs_admin_requests(daemon):
         daemon.admin("ListBlocks", tier="fs")
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert [t.tier for t in daemon.admin("GetStats").tiers] == ["ram"]
+
+
+@pytest.mark.parametrize("field", ["sum", "created", "xxh3"])
+def test_a_changed_header_field_is_caught(tmp_path, field):
+    """The header's fields are covered by a checksum of their own: a bit flipped in the kvtier checksum
+    (handed to every loader), the created time or the bytes' xxh3 makes the file bad, not a block
+    that fails every load later."""
+    data = fs_format.aligned_empty(BLOCK)
+    data[:] = np.frombuffer(block_content(b"h" * 32, BLOCK).tobytes(), dtype=np.uint8)
+    path = tmp_path / "block.kvb"
+    fs_format.write_block_file(path, "ns", b"h" * 32, BLOCK, 0x1234567890ABCDEF, 1.5e9, [memoryview(data)], direct=False)
+    raw = bytearray(path.read_bytes())
+    size = int.from_bytes(raw[4:8], "little")
+    fields = msgpack.unpackb(bytes(raw[8 : 8 + size]))
+    fields[field] = fields[field] + 1.0 if field == "created" else fields[field] ^ 1
+    header = msgpack.packb(fields)
+    assert len(header) == size  # the same layout, one field changed
+    raw[8 : 8 + size] = header
+    path.write_bytes(bytes(raw))
+    with pytest.raises(fs_format.BadBlock, match="header checksum mismatch"):
+        fs_format.read_block(path, "ns", b"h" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], direct=False)

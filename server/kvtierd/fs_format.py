@@ -59,6 +59,7 @@ SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 SPEC_FILE = "namespace.pb"
 _PREFIX = struct.Struct("<4sI")
+_COVERED = ("v", "ns", "hash", "len", "xxh3", "sum", "created", "direct")  # the header fields "hx" covers
 _IOV_MAX = 1024
 FANOUT = [f"{i:x}" for i in range(16)]
 _OLD_FANOUT = re.compile(r"[0-9a-f]{2}")  # the 256 fan-out directories of the first layout
@@ -221,18 +222,17 @@ def write_block_file(
     from ALIGN-aligned addresses, every segment but the last a multiple of ALIGN long). `durable`
     False leaves out the fsync (to fill a tier quickly for a benchmark)."""
     data = _trim(segments, length)
-    header = msgpack.packb(
-        {
-            "v": FORMAT_VERSION,
-            "ns": digest,
-            "hash": block_hash,
-            "len": length,
-            "xxh3": xxh3_64(data),
-            "sum": checksum,
-            "created": created_at,
-            "direct": direct,  # data at offset ALIGN
-        }
-    )
+    fields = {
+        "v": FORMAT_VERSION,
+        "ns": digest,
+        "hash": block_hash,
+        "len": length,
+        "xxh3": xxh3_64(data),
+        "sum": checksum,
+        "created": created_at,
+        "direct": direct,  # data at offset ALIGN
+    }
+    header = msgpack.packb({**fields, "hx": _header_checksum(fields)})
     head = _PREFIX.pack(MAGIC, len(header)) + header
     if direct:
         head_buffer = aligned_empty(ALIGN)
@@ -303,6 +303,12 @@ def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments
     return header
 
 
+def _header_checksum(fields: dict) -> int:
+    """XXH3-64 of the header's fields, so that no byte read back goes unchecked: the bytes' own xxh3,
+    and the kvtier checksum handed to every loader of the block, are in the header."""
+    return xxh3_64([msgpack.packb([fields.get(name) for name in _COVERED])])
+
+
 def _parse_header(head: bytes, path: Path) -> Header:
     """The header at the start of a block file (`head`: its first ALIGN bytes, or fewer if it is shorter)."""
     if len(head) < _PREFIX.size:
@@ -314,6 +320,8 @@ def _parse_header(head: bytes, path: Path) -> Header:
         fields = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + size])
         if fields["v"] != FORMAT_VERSION:
             raise BadBlock(f"{path}: format version {fields['v']}, expected {FORMAT_VERSION}")
+        if "hx" in fields and fields["hx"] != _header_checksum(fields):  # (files written before it have none)
+            raise BadBlock(f"{path}: header checksum mismatch")
         offset = ALIGN if fields.get("direct") else _PREFIX.size + size
         return Header(
             namespace=fields["ns"],
