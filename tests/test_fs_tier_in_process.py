@@ -362,3 +362,45 @@ def test_a_pinned_lookup_ended_during_its_promotion_leaves_no_lease(tmp_path, en
         assert not t.store._leases and a in t.ns.blocks  # (the promotion itself went through)
 
     run_with_tiers(tmp_path, body)
+
+
+def test_a_block_written_again_waits_for_the_removal_of_its_old_file(tmp_path, monkeypatch):
+    """A's file is taken over by a later write (A evicted from the full disk) whose thread starts late;
+    meanwhile the pool evicts A too, and A is written again under the same name. The new file must
+    not be what the late write renames away: A's write waits for it."""
+    a, b, c, d, e, f, g, h = chain_hashes("written-again", 8)
+    gate, held = threading.Event(), set()
+
+    def held_write_block_file(*args, reuse=None, **kwargs):
+        if reuse in held:
+            gate.wait()
+        real_write_block_file(*args, reuse=reuse, **kwargs)
+
+    real_write_block_file = fs_tier.write_block_file
+    monkeypatch.setattr(fs_tier, "write_block_file", held_write_block_file)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        await t.put(f, 2)  # then B: the tier is full
+        t.fs.lookup(t.ns, [a])
+        await t.fs.promote(t.ns, [a])  # A in the pool and on disk; C's demotion took B's file
+        await t.settle()
+        held.add(t.path(a))
+        try:
+            await t.put(g, 1)  # D's demotion takes A's file (the disk's least recently used): held
+            assert t.fs.index.get(t.ns.id, a) is None
+            t.store.lookup("s", t.ns, [e, f, g], pin=False)
+            await t.put(h, 0)  # the pool evicts A: written again, under the name D's write still has to take
+            await asyncio.sleep(0.05)
+        finally:
+            gate.set()
+        await t.settle()
+        assert t.fs.index.get(t.ns.id, a) is not None and t.fs.index.get(t.ns.id, d) is not None
+        for block_hash in (a, d):
+            data = aligned_empty(BLOCK)
+            read_block(t.path(block_hash), t.ns.id, block_hash, BLOCK, [memoryview(data)], direct=False)
+            assert np.array_equal(data, block_content(block_hash, BLOCK))
+
+    run_with_tiers(tmp_path, body)

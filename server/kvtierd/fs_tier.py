@@ -136,6 +136,7 @@ class FsTier:
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
         self._removing: Counter[Path] = Counter()  # fan-out directories with removals queued or running
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
+        self._removals: dict[Path, asyncio.Future] = {}  # the job still to remove (or rename away) each file
         self._saved_changes = -1  # index.changes when the index file was last written
         self._staging_sizes: set[int] = set()  # sizes of the staging buffers made ahead of need
 
@@ -420,7 +421,9 @@ class FsTier:
             evicted = [self._path(v) for v in victims]
             self._removing.update(path.parent for path in evicted)
             reuse = next((path for path in evicted if not self._reading[path]), None)
-            future = self._run(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
+            removal = self._removals.get(self._path_of(ns.id, block.hash))  # of this block's file, from before
+            future = self._run_after(removal, self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
+            self._removing_by(evicted, future)
             future.add_done_callback(partial(self._written, job, buffer, evicted))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
@@ -550,7 +553,21 @@ class FsTier:
         """Unlink files on an I/O thread; their directories are fsync'd before the next index file."""
         self._removing.update(path.parent for path in paths)
         future = self._run(_unlink_all, paths)
+        self._removing_by(paths, future)
         future.add_done_callback(lambda _: self._removed(paths))
+
+    def _removing_by(self, paths: list[Path], job: asyncio.Future) -> None:
+        """`job` removes (or renames away) these files: a write of the same name waits for it, or the
+        removal, should its thread start late, would take the new file."""
+        for path in paths:
+            self._removals[path] = job
+
+        def done(_: asyncio.Future) -> None:
+            for path in paths:
+                if self._removals.get(path) is job:
+                    del self._removals[path]
+
+        job.add_done_callback(done)
 
     def _removed(self, paths: list[Path]) -> None:
         directories = [path.parent for path in paths]
@@ -573,6 +590,16 @@ class FsTier:
             if not self._reading[path]:
                 del self._reading[path]
 
+    def _run_after(self, before: asyncio.Future | None, function, *args) -> asyncio.Future:
+        """`_run`, once the job `before` (if any) has ended."""
+        if before is None:
+            return self._run(function, *args)
+        later = asyncio.get_running_loop().create_future()
+        self._jobs.add(later)
+        later.add_done_callback(self._jobs.discard)
+        before.add_done_callback(lambda _: self._run(function, *args).add_done_callback(partial(_pass_on, later)))
+        return later
+
     def _run(self, function, *args, executor: ThreadPoolExecutor | None = None) -> asyncio.Future:
         future = asyncio.get_running_loop().run_in_executor(executor or self.executor, function, *args)
         self._jobs.add(future)
@@ -586,6 +613,15 @@ def _fsync_directories(directories: set[Path]) -> None:
             fsync_directory(directory)
         except FileNotFoundError:  # removed by hand meanwhile: nothing of it left to make durable
             pass
+
+
+def _pass_on(target: asyncio.Future, source: asyncio.Future) -> None:
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
 
 
 def _unlink_all(paths: list[Path]) -> None:
