@@ -65,3 +65,18 @@ def test_arc_pinned_blocks_come_back_as_recent():
     assert arc.pop_victim() == 1
     arc.restore_many([0])
     assert arc.pop_victim() == 0
+
+
+def test_a_refresh_keeps_a_block_longer_without_counting_a_use():
+    """FsIndex.demoted: a block's file became its only copy. LRU: like a use. ARC: to the newest end of
+    its own list; a block seen once stays among those seen once (a use would move it to T2)."""
+    lru = LRUPolicy()
+    lru.insert_many([1, 2], ["a", "b"])
+    lru.refresh_many([1])
+    assert lru.pop_victim() == 2
+    arc = ARCPolicy()
+    arc.insert_many([1, 2, 3], ["a", "b", "c"])
+    arc.access_many([3])  # C seen twice: in T2
+    arc.refresh_many([1])
+    assert list(arc._t1) == [2, 1] and list(arc._t2) == [3]
+    assert [arc.pop_victim() for _ in range(3)] == [2, 1, 3]

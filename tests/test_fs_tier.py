@@ -36,7 +36,8 @@ def fs_daemons():
     def start(*args: str, directory: Path | None = None, prefix: tuple[str, ...] = ()) -> DaemonProcess:
         directory = directory or new_daemon_dir()
         (directory / "fs").mkdir(exist_ok=True)
-        fs_args = ["--pool-size", "4MiB", "--fs-path", str(directory / "fs"), "--fs-size", "64MiB", *args]
+        fs_args = ["--pool-size", "4MiB", "--fs-path", str(directory / "fs"), "--fs-size", "64MiB", "--fs-queue-size", "64MiB"]
+        fs_args += args  # (a staging queue of 64 MiB: the 1 GiB default is made ahead in every daemon)
         daemon = DaemonProcess(directory, fs_args, prefix=list(prefix)).start()
         started.append(daemon)
         return daemon

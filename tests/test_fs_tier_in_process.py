@@ -4,6 +4,8 @@ must order (the tier's I/O threads held at a gate) or watch (the directories the
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import tempfile
 import threading
 from collections.abc import Awaitable, Callable
@@ -248,23 +250,29 @@ def test_a_promotion_does_not_wait_behind_queued_writes(tmp_path):
     run_with_tiers(tmp_path, body)
 
 
-def test_no_memory_for_staging_leaves_every_account_straight(tmp_path, monkeypatch):
-    """The staging buffer of a demotion cannot be had (MemoryError): the block goes unwritten, and the
-    pool, the tier's bytes and the staging queue are as if it had never been tried; later ones go on."""
-    a, b, c, d, e, f = chain_hashes("no-memory", 6)
+@pytest.mark.parametrize("failure", ["no memory for a staging buffer", "the copy out of the pool fails"])
+def test_a_failed_demotion_leaves_every_account_straight(tmp_path, monkeypatch, failure):
+    """A demotion fails before its write starts: the block goes unwritten, and the pool, the tier's
+    bytes and the staging queue are as if it had never been tried; later ones go on."""
+    a, b, c, d, e, f = chain_hashes(f"failed-demotion-{failure}", 6)
 
-    def no_memory(size):
-        raise MemoryError
+    def fails(*args, **kwargs):
+        raise MemoryError if failure.startswith("no memory") else RuntimeError("copy failed")
 
     async def body(t: Tiers) -> None:
         with monkeypatch.context() as patch:
-            patch.setattr(fs_staging, "aligned_empty", no_memory)  # (nor can they be made ahead)
+            if failure.startswith("no memory"):
+                patch.setattr(fs_staging, "aligned_empty", fails)  # (made ahead or not, no buffer can be had)
             for block_hash in (a, b, c, d):
                 await t.put(block_hash, 0)
+            if not failure.startswith("no memory"):
+                await t.settle()  # (staging buffers made ahead)
+                patch.setattr(t.pool.view, "read_blocks", fails)
             await t.put(e, 0)  # A is evicted from the pool, not written
         await t.settle()
-        assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None
-        assert t.fs.index.inflight_bytes == 0 and t.fs.staging.queued == 0 and t.fs.health.skipped["no_memory"] == 1
+        assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None and not t.fs._writes
+        assert t.fs.index.inflight_bytes == 0 and t.fs.staging.queued == 0
+        assert t.fs.health.skipped["no_memory"] == (1 if failure.startswith("no memory") else 0)
         assert t.store.pages.free == 0 and len(t.ns.blocks) == 4  # B, C, D, E: A's pages went to E
         await t.put(f, 1)  # B goes to disk as usual
         assert t.fs.index.get(t.ns.id, b) is not None
@@ -402,5 +410,85 @@ def test_a_block_written_again_waits_for_the_removal_of_its_old_file(tmp_path, m
             data = aligned_empty(BLOCK)
             read_block(t.path(block_hash), t.ns.id, block_hash, BLOCK, [memoryview(data)], direct=False)
             assert np.array_equal(data, block_content(block_hash, BLOCK))
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_pinned_lookup_batch_ended_during_a_promotion_leaves_no_lease(tmp_path):
+    """LookupBatch(pin): one query is answered from the pool at once (pinned), another waits for its
+    promotion when the call is cancelled (its deadline): the answered query's pins go too."""
+    a, b, c, d, e = chain_hashes("batch-lease", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk; E is in the pool
+        sessions = SessionRegistry()
+        service = DataService(t.store, t.pool, sessions, None, pb.Limits(max_batch_blocks=64), pb.PoolInfo(), t.fs, None)
+        session = sessions.open(pb.Hello(engine_name="engine"), "peer")
+        session.namespaces.add(t.ns.id)
+        request = pb.LookupBatchRequest(session_id=session.id, namespace=t.ns.id, queries=[e, a], pin=True)
+        gate = hold_io_threads(t.fs)
+        call = asyncio.ensure_future(DataService.LookupBatch.__wrapped__(service, request, None))  # (no gRPC wrapper)
+        await asyncio.sleep(0.05)
+        assert len(t.store._leases) == 1  # E's query answered and pinned, A's waiting for its read
+        call.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await t.settle()
+        assert not t.store._leases
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_tier_directory_that_cannot_be_listed_starts_empty_and_the_daemon_goes_on(tmp_path, monkeypatch):
+    """The tier's directory fails to list at start (EIO): the tier starts empty instead of stopping
+    the daemon, and demotes as usual once the disk answers again."""
+    root = tmp_path / "fs"
+    root.mkdir()
+    (root / "index.kvi.1.tmp").write_bytes(b"an interrupted index file write")
+    failing = {str(root)}
+
+    def refuse(real):
+        def listing(path="."):
+            if os.fspath(path) in failing:
+                raise OSError(errno.EIO, "Input/output error", os.fspath(path))
+            return real(path)
+
+        return listing
+
+    monkeypatch.setattr(os, "listdir", refuse(os.listdir))
+    monkeypatch.setattr(os, "scandir", refuse(os.scandir))
+    a, b, c, d, e = chain_hashes("unlistable", 5)
+
+    async def body(t: Tiers) -> None:
+        assert len(t.fs.index) == 0
+        failing.clear()
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        assert t.path(a).exists()
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_file_that_fails_to_read_is_removed_not_left_unlisted(tmp_path, monkeypatch):
+    """A read failing with EIO drops the block from the index and removes its file too: left on disk,
+    the next index file would hide it, uncounted against --fs-size and never removed."""
+    a, b, c, d, e = chain_hashes("unreadable", 5)
+
+    def failing_read(path, *args):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 1)  # A goes to disk
+        monkeypatch.setattr(fs_tier, "read_block", failing_read)
+        await t.fs.promote(t.ns, [a])
+        await t.settle()
+        assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None and t.fs.health.read_errors == 1
+        assert not t.path(a).exists()
 
     run_with_tiers(tmp_path, body)

@@ -24,6 +24,9 @@ class EvictionPolicy(Protocol):
     def access_many(self, slots: Sequence[int]) -> None:
         """Hits on blocks inside the policy."""
 
+    def refresh_many(self, slots: Sequence[int]) -> None:
+        """Blocks to keep as if just inserted, without counting a use (ARC: within their own list)."""
+
     def remove_many(self, slots: Sequence[int], forget: bool) -> None:
         """Take blocks out: pinned (forget=False, restore later) or deleted (forget=True)."""
 
@@ -45,6 +48,8 @@ class LRUPolicy:
 
     def access_many(self, slots) -> None:
         _consume(map(self._order.move_to_end, slots))
+
+    refresh_many = access_many
 
     def remove_many(self, slots, forget: bool) -> None:
         _consume(map(self._order.pop, slots, repeat(None)))
@@ -98,6 +103,10 @@ class ARCPolicy:
                 self._t2[slot] = None
             else:
                 self._t2.move_to_end(slot)
+
+    def refresh_many(self, slots) -> None:
+        for slot in slots:
+            (self._t1 if slot in self._t1 else self._t2).move_to_end(slot)
 
     def remove_many(self, slots, forget: bool) -> None:
         for slot in slots:

@@ -78,8 +78,12 @@ class FsIndex:
 
     def demoted(self, entries: list[FsEntry]) -> None:
         """Blocks that the pool let go of and that are on disk already: their files, now their only
-        copies, are to be evicted last, like the blocks just written beside them."""
-        self.policy.access_many([e.slot for e in entries])
+        copies, are to be evicted last, like the blocks just written beside them (not a hit: ARC
+        keeps a block seen once among those seen once)."""
+        now = time.time()
+        for entry in entries:
+            entry.last_access = now
+        self.policy.refresh_many([e.slot for e in entries])
 
     def reserve(self, block_bytes: int) -> list[FsEntry] | None:
         """Charge a write of one block, evicting least valuable blocks to stay under the capacity.

@@ -152,14 +152,16 @@ class FsTier:
             if not self.direct:
                 log.warning("the filesystem refuses O_DIRECT; the fs tier uses buffered I/O", extra={"path": str(self.root)})
         try:
-            directories = sorted(d for d in self.root.iterdir() if d.is_dir() and _DIGEST.fullmatch(d.name))
+            entries = list(self.root.iterdir())
+            directories = sorted(d for d in entries if d.is_dir() and _DIGEST.fullmatch(d.name))
         except OSError as exc:  # a failing disk: the tier starts empty, and its first write pauses stores
             log.error("cannot list the fs tier; no block on it is served", extra={"path": str(self.root), "reason": str(exc)})
-            directories = []
+            entries, directories = [], []
         known = read_index_file(self.root)
         specs, strays, listed = [], 0, 0
-        for stray in self.root.glob(f"{INDEX_FILE}.*{TMP_SUFFIX}"):  # an interrupted index file write
-            strays += remove_file(stray)
+        for stray in entries:  # an interrupted index file write
+            if stray.name.startswith(f"{INDEX_FILE}.") and stray.name.endswith(TMP_SUFFIX):
+                strays += remove_file(stray)
         with tqdm(
             total=len(directories) * len(FANOUT), desc="indexing fs tier", unit="dir", disable=not sys.stderr.isatty()
         ) as bar:
@@ -346,6 +348,7 @@ class FsTier:
         elif isinstance(exc, OSError):
             self.health.read_errors += 1
             log.warning("fs block read failed; dropped", extra=fields)
+            self._remove([self._path_of(ns.id, block_hash)])  # (left, it would sit unlisted, uncounted)
         else:
             log.error("fs block read failed", extra=fields, exc_info=exc)
 
@@ -407,24 +410,36 @@ class FsTier:
                 self.health.skipped["tier_full"] += 1
                 continue
             try:
-                buffer = self.staging.take(stride)
+                self._start_write(ns, block, checksum, stride, [self._path(v) for v in victims])
             except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
-                self.index.unreserve(ns.block_bytes)
-                self._remove([self._path(v) for v in victims])
                 self.health.skipped["no_memory"] += len(blocks) - i
                 log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
                 return
+
+    def _start_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> None:
+        """Copy the block into a staging buffer and start its write, over (or after removing) the files
+        `evicted` for it (index.reserve charged it). Should that fail, the charge and the buffer go
+        back and the evicted files are removed, before the error goes up."""
+        buffer = None
+        try:
+            buffer = self.staging.take(stride)
             page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
             self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
             job = _Write(ns, block.hash, time.time())
-            self._writes[(ns.id, block.hash)] = job
-            evicted = [self._path(v) for v in victims]
-            self._removing.update(path.parent for path in evicted)
             reuse = next((path for path in evicted if not self._reading[path]), None)
             removal = self._removals.get(self._path_of(ns.id, block.hash))  # of this block's file, from before
             future = self._run_after(removal, self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
-            self._removing_by(evicted, future)
-            future.add_done_callback(partial(self._written, job, buffer, evicted))
+        except BaseException:
+            self.index.unreserve(ns.block_bytes)
+            if buffer is not None:
+                self.staging.give_back(buffer)
+            if evicted:
+                self._remove(evicted)
+            raise
+        self._writes[(ns.id, block.hash)] = job
+        self._removing.update(path.parent for path in evicted)
+        self._removing_by(evicted, future)
+        future.add_done_callback(partial(self._written, job, buffer, evicted))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
