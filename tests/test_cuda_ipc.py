@@ -70,8 +70,9 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", MALFORMED)
 def test_a_malformed_cuda_kv_is_refused_before_any_cuda_call(start_daemon, case):
-    """Refused (the namespace still works over shm) with the reason, even on a daemon with CUDA,
-    before torch opens anything: no number an engine sends reaches the driver or the kernel unchecked."""
+    """Refused (the namespace still works over shm) with the reason, checked before the daemon's own
+    capabilities and before torch opens anything: no number an engine sends reaches the driver or
+    the kernel unchecked."""
     daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
     cache = well_formed_cache()
     spoil, reason = MALFORMED[case]

@@ -157,7 +157,7 @@ def test_a_launch_failing_midway_raises_at_once_with_what_to_wait_for(pool, monk
     monkeypatch.setattr(gpu_copy._Call, "of", classmethod(no_pinned_memory))
     lane = gpu_copy.CopyLane.on(device)
     with torch.cuda.stream(lane.dma):
-        torch.cuda._sleep(200_000_000)  # the copy engines' stream busy for about 0.1 s before the load
+        torch.cuda._sleep(2_000_000_000)  # the copy engines' stream busy for about a second before the load
     with pytest.raises(LaunchFailed) as failed:
         gpu_copy.launch_copy(layout, np.arange(32, 48), pool.cuda_address(), page_ids, False, lane)
     assert isinstance(failed.value.__cause__, RuntimeError)

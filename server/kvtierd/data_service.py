@@ -132,10 +132,25 @@ class DataService(pb_grpc.KVTierServicer):
         if len(request.queries) > self.limits.max_batch_blocks:
             raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
         if self.fs is not None and request.pin:  # promotions of different queries run in parallel
-            results = await asyncio.gather(*(self._lookup(session, ns, query, True) for query in request.queries))
+            lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in request.queries]
+            try:
+                results = await asyncio.gather(*lookups)
+            except BaseException:  # one failed, or the caller went: the others' pins go too
+                self._release_pins(session.id, lookups)
+                raise
         else:
             results = [await self._lookup(session, ns, query, request.pin) for query in request.queries]
         return pb.LookupBatchResponse(results=results)
+
+    def _release_pins(self, session_id: str, lookups: list[asyncio.Future]) -> None:
+        """Release the leases of the pinned lookups that answered; cancel the others (each lets go
+        of its own pins)."""
+        for lookup in lookups:
+            if not lookup.done():
+                lookup.cancel()
+            elif not lookup.cancelled() and lookup.exception() is None and lookup.result().lease_id:
+                with contextlib.suppress(NotFound):
+                    self.store.release(session_id, lookup.result().lease_id)
 
     async def _find(self, session_id: str, ns: Namespace, blocks: list[bytes], pin: bool) -> tuple[int, Lease | None]:
         """The longest prefix present in either tier; with `pin`, its blocks on disk are promoted into the

@@ -95,13 +95,16 @@ class GpuTransfers:
         with torch.cuda.device(device_index):
             try:
                 storages = [_open_storage(torch, device_index, a) for a in cache.allocations]
-                ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event) if cache.ready_event else None
+                ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event)
             except RuntimeError as exc:
                 raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
             from kvtier.gpu_copy import CopyLane, GpuLayout  # noqa: PLC0415 (needs triton)
 
             bases = np.array([s.data_ptr() for s in storages], dtype=np.int64)
             layout = GpuLayout.on(template, bases, self.page_size, torch.device("cuda", device_index))
+            if device_index not in self._lanes:  # (before the registration is kept: this may fail too)
+                lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
+                self._lanes[device_index] = itertools.cycle(lanes)
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
@@ -113,9 +116,6 @@ class GpuTransfers:
             ready_event=ready,
         )
         self._registrations[registration.id] = registration
-        if device_index not in self._lanes:
-            device = torch.device("cuda", device_index)
-            self._lanes[device_index] = itertools.cycle([CopyLane.on(device) for _ in range(LANES_PER_DEVICE)])
         log.info(
             "cuda_ipc registered",
             extra={
@@ -300,8 +300,8 @@ def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
         if allocation.ref_counter_offset >= REF_COUNTER_SLOTS:
             raise InvalidArgument(f"ref_counter_offset must be below {REF_COUNTER_SLOTS}")
     runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
-    if cache.num_blocks >= MAX_FIELD or any(max(r.offset, r.block_stride, r.size) >= MAX_FIELD for r in runs):
-        raise InvalidArgument(f"num_blocks and run offsets, strides and sizes must be below {MAX_FIELD}")
+    if any(max(r.offset, r.block_stride, r.size) >= MAX_FIELD for r in runs):
+        raise InvalidArgument(f"run offsets, strides and sizes must be below {MAX_FIELD}")
     if sum(r.size for r in runs) != block_bytes:
         raise InvalidArgument(f"cuda_kv runs hold {sum(r.size for r in runs)} bytes per block; the namespace says {block_bytes}")
     for run in runs:

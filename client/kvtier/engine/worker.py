@@ -210,8 +210,13 @@ class BlockTransfers:
                     self.stats.store_skipped_blocks += len(block_ids)
                     return
                 self._pending_gpu_stores += 1
-            self._gpu_kv.record_ready()
-            future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids))
+            try:
+                self._gpu_kv.record_ready()
+                future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids))
+            except BaseException:
+                with self._lock:
+                    self._pending_gpu_stores -= 1
+                raise
             future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
             for job in jobs:
                 self._device_stores[job.req_id].append(future)
