@@ -26,7 +26,7 @@ from kvtierd.data_service import DataService
 from kvtierd.errors import Unauthenticated
 from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
 from kvtierd.fs_tier import FsSettings, FsTier
-from kvtierd.sessions import SessionRegistry
+from kvtierd.sessions import Session, SessionRegistry
 from kvtierd.shm_pool import SharedPool
 
 BLOCK = 64 << 10  # one pool page; the pool holds four blocks, the tier two
@@ -48,6 +48,18 @@ class Tiers:
         self.fs.committed(self.ns, reservation.blocks)  # (as the daemon's Commit does)
         while len(self.fs.index) < on_disk:
             await asyncio.sleep(0.005)
+
+    async def demote_first(self, hashes: list[bytes]) -> None:
+        """Fill the pool with the first four blocks, then store the fifth: the first goes to disk."""
+        for block_hash in hashes[:4]:
+            await self.put(block_hash, 0)
+        await self.put(hashes[4], 1)
+
+    def data_service(self, limits: pb.Limits) -> tuple[DataService, Session]:
+        """The daemon's data service over these tiers, and an engine's session in it."""
+        sessions = SessionRegistry()
+        service = DataService(self.store, self.pool, sessions, None, limits, pb.PoolInfo(), self.fs, None)
+        return service, sessions.open(pb.Hello(engine_name="engine"), "peer")
 
     async def settle(self) -> None:
         while self.fs._jobs:
@@ -106,9 +118,7 @@ def test_a_file_being_read_is_not_written_over_for_another_block(tmp_path):
     a, b, c, d, e, f = chain_hashes("reading", 6)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk, then B: the tier is full, A its least recently used
+        await t.demote_first([a, b, c, d, e])  # A goes to disk, then B: the tier is full, A its least recently used
         await t.put(f, 2)
         link = tmp_path / "a.link"
         link.hardlink_to(t.path(a))
@@ -141,9 +151,7 @@ def test_a_directory_that_only_loses_a_file_is_fsynced_before_the_next_index_fil
     a, b, c, d, e = chain_hashes("durable", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         await t.fs.save_index()
         assert t.path(a).parent in synced  # the rename into it
         synced.clear()
@@ -163,9 +171,7 @@ def test_a_promotion_whose_caller_is_cancelled_still_ends_and_lets_go_of_its_pag
     a, b, c, d, e = chain_hashes("cancelled", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         gate = hold_io_threads(t.fs)
         caller = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
         await asyncio.sleep(0.05)
@@ -190,9 +196,7 @@ def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
     a, b, c, d, e = chain_hashes("deleted", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         gate = hold_io_threads(t.fs)
         promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
         await asyncio.sleep(0.05)
@@ -214,9 +218,7 @@ def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
     a, b, c, d, e, f, g, h = chain_hashes("demoted-again", 8)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         await t.put(f, 2)  # then B: the tier is full
         t.fs.lookup(t.ns, [a])
         await t.fs.promote(t.ns, [a])  # its reservation evicts C from the pool, and C's write B's file
@@ -237,9 +239,7 @@ def test_a_promotion_does_not_wait_behind_queued_writes(tmp_path):
     a, b, c, d, e = chain_hashes("not-behind-writes", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         gate = hold_io_threads(t.fs, readers=False)
         try:
             await asyncio.wait_for(t.fs.promote(t.ns, [a]), timeout=10)
@@ -296,9 +296,7 @@ def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp
     monkeypatch.setattr(fs_tier, "_unlink_all", held_unlink_all)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         await asyncio.sleep(0.6)  # (a directory changed in the last 0.5 s is never taken from the index file)
         held.add(t.path(a))
         try:
@@ -348,12 +346,8 @@ def test_a_pinned_lookup_ended_during_its_promotion_leaves_no_lease(tmp_path, en
     a, b, c, d, e = chain_hashes(f"lease-{ending}", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk; E is in the pool
-        sessions = SessionRegistry()
-        service = DataService(t.store, t.pool, sessions, None, pb.Limits(), pb.PoolInfo(), t.fs, None)
-        session = sessions.open(pb.Hello(engine_name="engine"), "peer")
+        await t.demote_first([a, b, c, d, e])  # A goes to disk; E is in the pool
+        service, session = t.data_service(pb.Limits())
         gate = hold_io_threads(t.fs)
         find = asyncio.ensure_future(service._find(session.id, t.ns, [e, a], pin=True))
         await asyncio.sleep(0.05)
@@ -361,7 +355,7 @@ def test_a_pinned_lookup_ended_during_its_promotion_leaves_no_lease(tmp_path, en
         if ending == "caller-cancelled":
             find.cancel()
         else:
-            sessions.close(session.id)
+            service.sessions.close(session.id)
             t.store.drop_session(session.id)
         gate.set()
         with pytest.raises(asyncio.CancelledError if ending == "caller-cancelled" else Unauthenticated):
@@ -388,9 +382,7 @@ def test_a_block_written_again_waits_for_the_removal_of_its_old_file(tmp_path, m
     monkeypatch.setattr(fs_tier, "write_block_file", held_write_block_file)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         await t.put(f, 2)  # then B: the tier is full
         t.fs.lookup(t.ns, [a])
         await t.fs.promote(t.ns, [a])  # A in the pool and on disk; C's demotion took B's file
@@ -420,12 +412,8 @@ def test_a_pinned_lookup_batch_ended_during_a_promotion_leaves_no_lease(tmp_path
     a, b, c, d, e = chain_hashes("batch-lease", 5)
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk; E is in the pool
-        sessions = SessionRegistry()
-        service = DataService(t.store, t.pool, sessions, None, pb.Limits(max_batch_blocks=64), pb.PoolInfo(), t.fs, None)
-        session = sessions.open(pb.Hello(engine_name="engine"), "peer")
+        await t.demote_first([a, b, c, d, e])  # A goes to disk; E is in the pool
+        service, session = t.data_service(pb.Limits(max_batch_blocks=64))
         session.namespaces.add(t.ns.id)
         request = pb.LookupBatchRequest(session_id=session.id, namespace=t.ns.id, queries=[e, a], pin=True)
         gate = hold_io_threads(t.fs)
@@ -465,9 +453,7 @@ def test_a_tier_directory_that_cannot_be_listed_starts_empty_and_the_daemon_goes
     async def body(t: Tiers) -> None:
         assert len(t.fs.index) == 0
         failing.clear()
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         assert t.path(a).exists()
 
     run_with_tiers(tmp_path, body)
@@ -482,9 +468,7 @@ def test_a_file_that_fails_to_read_is_removed_not_left_unlisted(tmp_path, monkey
         raise OSError(errno.EIO, "Input/output error", str(path))
 
     async def body(t: Tiers) -> None:
-        for block_hash in (a, b, c, d):
-            await t.put(block_hash, 0)
-        await t.put(e, 1)  # A goes to disk
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
         monkeypatch.setattr(fs_tier, "read_block", failing_read)
         await t.fs.promote(t.ns, [a])
         await t.settle()
