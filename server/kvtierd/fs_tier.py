@@ -134,7 +134,6 @@ class FsTier:
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
-        self._removing: Counter[Path] = Counter()  # fan-out directories with removals queued or running
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._removals: dict[Path, asyncio.Future] = {}  # the job still to remove (or rename away) each file
         self._saved_changes = -1  # index.changes when the index file was last written
@@ -231,7 +230,7 @@ class FsTier:
             mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
             for ns_id, block_hash in self._writes:
                 mtimes.get(ns_id, {}).pop(fanout_of(block_hash), None)
-            for directory in self._removing:  # (a crash before the removal would leave a file unlisted)
+            for directory in {path.parent for path in self._removals}:  # (a crash before it: a file unlisted)
                 mtimes.get(directory.parent.name, {}).pop(directory.name, None)
             hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
             unsynced, self._unsynced = self._unsynced, set()
@@ -437,9 +436,8 @@ class FsTier:
                 self._remove(evicted)
             raise
         self._writes[(ns.id, block.hash)] = job
-        self._removing.update(path.parent for path in evicted)
         self._removing_by(evicted, future)
-        future.add_done_callback(partial(self._written, job, buffer, evicted))
+        future.add_done_callback(partial(self._written, job, buffer))
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
@@ -462,12 +460,11 @@ class FsTier:
                 remove_file(reuse)  # (gone already if it became the temporary file, which the failed write removed)
             raise
 
-    def _written(self, job: _Write, buffer: np.ndarray, evicted: list[Path], future: asyncio.Future) -> None:
-        """The block's file is durable under its name (or its write failed), and the files `evicted` for
+    def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
+        """The block's file is durable under its name (or its write failed), and the files evicted for
         it are gone (one of them may have become it): its staging buffer goes back, and the block is
         indexed unless it was deleted meanwhile."""
         self.staging.give_back(buffer)
-        self._removed(evicted)
         ns = job.namespace
         del self._writes[(ns.id, job.hash)]
         exc = future.exception() if not future.cancelled() else asyncio.CancelledError()
@@ -565,15 +562,13 @@ class FsTier:
             self._remove([self._path(e) for e in entries])
 
     def _remove(self, paths: list[Path]) -> None:
-        """Unlink files on an I/O thread; their directories are fsync'd before the next index file."""
-        self._removing.update(path.parent for path in paths)
-        future = self._run(_unlink_all, paths)
-        self._removing_by(paths, future)
-        future.add_done_callback(lambda _: self._removed(paths))
+        """Unlink files on an I/O thread."""
+        self._removing_by(paths, self._run(_unlink_all, paths))
 
     def _removing_by(self, paths: list[Path], job: asyncio.Future) -> None:
-        """`job` removes (or renames away) these files: a write of the same name waits for it, or the
-        removal, should its thread start late, would take the new file."""
+        """`job` removes (or renames away) these files. Until it ends, a write of the same name waits
+        for it (or the removal, should its thread start late, would take the new file) and index files
+        leave their directories out; then those are fsync'd before the next index file."""
         for path in paths:
             self._removals[path] = job
 
@@ -581,16 +576,9 @@ class FsTier:
             for path in paths:
                 if self._removals.get(path) is job:
                     del self._removals[path]
+            self._unsynced.update(path.parent for path in paths)
 
         job.add_done_callback(done)
-
-    def _removed(self, paths: list[Path]) -> None:
-        directories = [path.parent for path in paths]
-        self._unsynced.update(directories)
-        self._removing.subtract(directories)
-        for directory in set(directories):
-            if not self._removing[directory]:
-                del self._removing[directory]
 
     def _read(self, path: Path, function, *args) -> asyncio.Future:
         """`_run` a read of the file `path`, which is not reused for another block meanwhile."""
