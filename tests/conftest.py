@@ -14,11 +14,12 @@ from kvtier.client import KVTierClient  # noqa: E402
 
 @pytest.fixture
 def start_daemon():
-    """start_daemon(*args) starts a real kvtierd; all are stopped (and checked to exit cleanly) afterwards."""
+    """start_daemon(*args, prefix=()) starts a real kvtierd (through the `prefix` command, e.g. unshare);
+    all are stopped (and checked to exit cleanly) afterwards."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str) -> DaemonProcess:
-        daemon = DaemonProcess(new_daemon_dir(), list(args)).start()
+    def start(*args: str, prefix: tuple[str, ...] = ()) -> DaemonProcess:
+        daemon = DaemonProcess(new_daemon_dir(), list(args), prefix=list(prefix)).start()
         started.append(daemon)
         return daemon
 

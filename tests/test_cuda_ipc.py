@@ -8,20 +8,29 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from blocks import spec
 from daemon import DaemonProcess
 
-from kvtier.client import KVTierClient
+from kvtier.client import KVTierClient, answered_by_daemon
 from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
 torch = pytest.importorskip("torch")
-from fake_engine import Geometry, block_hashes, gpu, namespace_spec, seeded_blocks  # noqa: E402 (needs torch)
+from fake_engine import (  # noqa: E402 (needs torch)
+    Geometry,
+    allocate_kv_cache,
+    block_hashes,
+    gpu,
+    namespace_spec,
+    seeded_blocks,
+)
 
 HERE = Path(__file__).parent
 
@@ -43,6 +52,34 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
         assert not malformed.cuda_registration and "beyond its allocation" in malformed.cuda_refused
         assert malformed.id == ns.id
     assert "cuda_ipc refused" in daemon.log()
+
+
+def _can_unshare_time() -> bool:
+    probe = ["unshare", "--user", "--map-root-user", "--time", "--monotonic", "100", "true"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_time(), reason="needs unprivileged time namespaces (unshare --user --time)")
+@pytest.mark.parametrize("offset", ["-100", "100"])  # the engine's clock 100 s ahead of the daemon's, or behind
+def test_cuda_ipc_is_refused_to_an_engine_whose_clock_is_not_the_daemons(start_daemon, offset):
+    """cuda_ipc deadlines are in the engine's CLOCK_MONOTONIC: a daemon in another time namespace
+    would read them as other moments (copies after the engine stopped waiting, or every copy
+    refused), so it refuses the cache (the engine uses shm), checked before anything is opened."""
+    in_time_namespace = ("unshare", "--user", "--map-root-user", "--time", "--monotonic", offset)
+    daemon = start_daemon("--pool-size", "16MiB", prefix=in_time_namespace)
+    with KVTierClient(daemon.address, engine_name="gpu-engine") as client:
+        ns = client.register(spec(block_bytes=4096), well_formed_cache())
+        assert not ns.cuda_registration and "CLOCK_MONOTONIC" in ns.cuda_refused, ns.cuda_refused
+        assert f"{-float(offset):+.1f} s from this daemon's" in ns.cuda_refused
+        assert client.lookup(ns, [b"h" * 32]).hit_count == 0  # the namespace works (shm transport)
+
+
+def test_cuda_ipc_is_refused_without_the_engines_clock(start_daemon):
+    daemon = start_daemon("--pool-size", "16MiB")
+    with KVTierClient(daemon.address, engine_name="gpu-engine") as client:
+        request = pb.RegisterRequest(session_id=client.state.session_id, spec=spec(block_bytes=4096), cuda_kv=well_formed_cache())
+        response = client.data_socket.call("Register", request)
+        assert not response.cuda_registration and "needs RegisterRequest.monotonic_ns" in response.cuda_refused
 
 
 def well_formed_cache() -> pb.CudaKVCache:
@@ -176,6 +213,63 @@ def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(star
     assert bad in {b.hash for b in daemon.admin("ListBlocks", namespace=namespace).blocks}
     again = results(engine(daemon.address, [*load, {"check": list(range(8, 16)), "seed": 5}], "BLHNC"))
     assert again[0]["loaded"] and again[1]["matches"]
+
+
+def registered_cache(client: KVTierClient, layout: str = "BLHNC"):
+    """A KV cache in this process, registered for cuda_ipc: (its buffer, GpuKV, namespace)."""
+    from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415 (needs CUDA)
+
+    geometry = Geometry(**GEOMETRY)
+    buffer, views = allocate_kv_cache(geometry, layout)
+    kv = GpuKV(list(views.values()), geometry.num_blocks)
+    ns = client.register(namespace_spec(geometry, layout), kv.describe())
+    assert ns.cuda_registration, ns.cuda_refused
+    return buffer, kv, ns
+
+
+@gpu
+def test_a_load_the_daemon_reaches_after_its_deadline_is_not_copied(start_daemon):
+    """An engine stops waiting for a cuda_ipc load soon after its deadline and may then reuse the
+    blocks (vLLM frees a failed request's blocks). A daemon that gets to the load only after the
+    deadline (here: stopped meanwhile, as by a long pause) answers DEADLINE_EXCEEDED and copies nothing."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as client:
+        buffer, kv, ns = registered_cache(client)
+        hashes = block_hashes(3, 8)
+        assert client.store(ns, hashes, seeded_blocks(geometry, 3, 8).cpu().numpy()) == 8
+        daemon.process.send_signal(signal.SIGSTOP)
+        resume = threading.Timer(1.0, daemon.process.send_signal, (signal.SIGCONT,))
+        resume.start()
+        with pytest.raises(grpc.RpcError) as late:
+            client.load_cuda(ns, list(range(8)), hashes, deadline_ns=time.monotonic_ns() + 300_000_000)
+        resume.join()
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and answered_by_daemon(late.value)
+        time.sleep(0.2)
+        torch.cuda.synchronize()
+        assert not buffer.any()  # nothing landed in the engine's blocks
+        assert client.load_cuda(ns, list(range(8)), hashes) == 8  # in time: copied
+        assert torch.equal(torch.cat([r.rows[:8] for r in kv.runs], dim=1), seeded_blocks(geometry, 3, 8))
+
+
+@gpu
+def test_a_store_seen_copied_after_its_deadline_is_not_committed(start_daemon):
+    """The daemon's store copy waits for the engine's ready event. Once the deadline has passed the
+    engine may reuse the blocks, so bytes copied after it may be another request's: a store whose copy
+    the daemon sees ending after the deadline is aborted (DEADLINE_EXCEEDED), not committed."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        hashes = block_hashes(4, 8)
+        torch.cuda._sleep(3_000_000_000)  # a forward of about 1.5 s before the blocks are ready
+        kv.record_ready()
+        with pytest.raises(grpc.RpcError) as late:
+            client.store_cuda(ns, hashes, list(range(8)), deadline_ns=time.monotonic_ns() + 300_000_000)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value.details()
+        assert client.lookup(ns, hashes).hit_count == 0
+        torch.cuda.synchronize()
+        kv.record_ready()
+        assert client.store_cuda(ns, hashes, list(range(8))) == 8  # ready in time: committed
 
 
 @gpu

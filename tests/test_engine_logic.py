@@ -7,16 +7,20 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import pytest
 from blocks import chain_hashes, spec
 
 torch = pytest.importorskip("torch")
 
+from kvtier.client import KVTierClient  # noqa: E402
+from kvtier.data_socket import DataSocketError  # noqa: E402
+from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
 from kvtier.engine.link import DaemonLink, DaemonUnavailable  # noqa: E402
 from kvtier.engine.scheduler import PrefixPlanner  # noqa: E402
-from kvtier.engine.worker import MAX_PENDING_GPU_STORES, BlockTransfers  # noqa: E402
+from kvtier.engine.worker import MAX_PENDING_GPU_STORES, BlockTransfers, DeviceCall  # noqa: E402
 
 BLOCK_TOKENS = 16
 LAYERS, BLOCKS, HEADS, HEAD = 3, 32, 2, 8
@@ -244,8 +248,8 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     running = link.submit(lambda client, ns: release.wait(10))  # a daemon call under way
     queued = link.submit(lambda client, ns: 1)  # a store still waiting for the link thread
     worker.save(plan.stores)
-    worker._device_stores["r"].append(running)  # as cuda_ipc stores in flight would be
-    worker._device_stores["p"].append(queued)
+    worker._device_stores["r"].append(DeviceCall(running))  # as cuda_ipc stores in flight would be
+    worker._device_stores["p"].append(DeviceCall(queued))
     assert worker.finished_stores({"r"}) == set()  # not yet: the daemon has not copied
     worker.fence({"p"}, timeout=30)
     assert queued.cancelled() and not running.done()  # never sent, so nothing to wait for
@@ -253,6 +257,38 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     wait(lambda: running.done())
     assert worker.finished_stores(set()) == {"r"}  # remembered from before: reported once done
     assert worker.finished_stores({"r", "p"}) == set()
+
+
+def test_a_cuda_call_failing_without_the_daemons_answer_holds_its_blocks_past_its_deadline(link, monkeypatch):
+    """A cuda_ipc call that failed here (a broken connection, a timeout) says nothing of the daemon's
+    copy: the daemon may still start it until the call's deadline, and it may land a little later. So
+    the load is reported (and its blocks given back to vLLM) only once the deadline and
+    CUDA_ANSWER_GRACE_S have passed. A failure the daemon answered (it answers only once its copies
+    are over) and a success are reported at once."""
+    monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
+    client = KVTierClient("unix:///nonexistent", timeout=0.5)  # (its deadlines: now + 0.5 s; never connected)
+    worker, _ = transfers(link, seed=3)
+
+    def start(req_id: str, outcome: Exception | None) -> None:
+        def copy(deadline_ns: int) -> int:
+            assert 0 < deadline_ns - time.monotonic_ns() <= 500_000_000
+            if outcome is not None:
+                raise outcome
+            return 1
+
+        call = DeviceCall()
+        call.future = link.submit(lambda client_, ns: call.run(client, copy))
+        worker._loads[req_id] = LoadJob(req_id, [0], chain_hashes(req_id, 1)), call  # as a cuda_ipc load
+
+    started = time.monotonic()
+    start("broken", DataSocketError(grpc.StatusCode.UNAVAILABLE, "connection reset", answered=False))
+    start("refused", DataSocketError(grpc.StatusCode.DEADLINE_EXCEEDED, "could not end by the deadline"))
+    start("loaded", None)
+    link.submit(lambda client_, ns: None).result(timeout=10)  # all three have ended
+    finished, failed = worker.finished_loads()
+    assert finished == {"refused", "loaded"} and failed == {"refused"}
+    finished, failed = drain_loads(worker)
+    assert finished == failed == {"broken"} and time.monotonic() - started >= 1.0
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):

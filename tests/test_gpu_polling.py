@@ -111,12 +111,19 @@ class Lane:
 def test_link_clock_queues_a_lane_and_shares_the_link_between_lanes():
     clock, ms = gpu_transfers.LinkClock(), int(gpu_transfers.LINK_BYTES_PER_S / 1000)  # bytes per ms
     a, b, c, other_gpu = Lane("cuda:0", "a"), Lane("cuda:0", "b"), Lane("cuda:0", "c"), Lane("cuda:1", "a")
-    assert clock.expected_end(0.0, a, False, 100 * ms) == 0.100  # alone: its bytes at the link's rate
-    assert clock.expected_end(0.0, a, False, ms) == 0.101  # behind the lane's own copy
-    assert abs(clock.expected_end(0.0, b, False, ms) - 0.002) < 1e-12  # shares the link: not queued behind a
-    assert clock.expected_end(0.0, c, True, 10 * ms) == 0.010  # the other direction: a link of its own
-    assert clock.expected_end(0.0, other_gpu, False, 10 * ms) == 0.010  # another GPU: its own link
-    assert abs(clock.expected_end(0.5, b, False, 10 * ms) - 0.510) < 1e-12  # the others have ended
+
+    def started(now: float, lane: Lane, to_pool: bool, size: int) -> float:
+        end = clock.expected_end(now, lane, to_pool, size)
+        clock.book(lane, to_pool, end)
+        return end
+
+    assert started(0.0, a, False, 100 * ms) == 0.100  # alone: its bytes at the link's rate
+    assert clock.expected_end(0.0, a, False, ms) == 0.101  # behind the lane's own copy (only asked)
+    assert started(0.0, a, False, ms) == 0.101  # (and started)
+    assert abs(started(0.0, b, False, ms) - 0.002) < 1e-12  # shares the link: not queued behind a
+    assert started(0.0, c, True, 10 * ms) == 0.010  # the other direction: a link of its own
+    assert started(0.0, other_gpu, False, 10 * ms) == 0.010  # another GPU: its own link
+    assert abs(started(0.5, b, False, 10 * ms) - 0.510) < 1e-12  # the others have ended
 
 
 def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_loop_serves():

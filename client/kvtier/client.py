@@ -7,13 +7,14 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
 import numpy as np
 
 from kvtier import ops
-from kvtier.data_socket import MESSAGES, DataSocket, data_socket_path
+from kvtier.data_socket import MESSAGES, DataSocket, DataSocketError, data_socket_path
 from kvtier.paths import normalize_address
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -22,6 +23,19 @@ log = logging.getLogger("kvtier.client")
 
 DEFAULT_TIMEOUT = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
+# A cuda_ipc call's deadline is its start plus the client's timeout. The daemon starts no copy that
+# cannot end by then, but one it started may end a little later (a busier GPU than it expected, an
+# engine clock up to 1 s ahead of its own): the client waits this much longer for the answer.
+CUDA_ANSWER_GRACE_S = 5.0
+_LOCAL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def answered_by_daemon(exc: BaseException) -> bool:
+    """Whether `exc` is a status the daemon sent (for a cuda_ipc call: only once its copies were
+    over), rather than a failure here (a timeout, a broken connection) that says nothing about them."""
+    if isinstance(exc, DataSocketError):
+        return exc.answered
+    return isinstance(exc, grpc.RpcError) and exc.code() not in _LOCAL_CODES
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -130,19 +144,29 @@ class KVTierClient:
             raise ConnectionError("not connected")
         return self._admin
 
-    def _run(self, op: ops.Op):
+    def _run(self, op: ops.Op, timeout: float | None = None):
+        """Drive `op`, each call waiting up to `timeout` (default: the client's)."""
         if self._stub is None:
             raise ConnectionError("not connected")
+        timeout = self.timeout if timeout is None else timeout
         response = None
         try:
             while True:
                 method, request = op.send(response)
                 if self._data is not None and method in MESSAGES:
-                    response = self._data.call(method, request)
+                    response = self._data.call(method, request, timeout)
                 else:
-                    response = getattr(self._stub, method)(request, timeout=self.timeout)
+                    response = getattr(self._stub, method)(request, timeout=timeout)
         except StopIteration as done:
             return done.value
+
+    def cuda_deadline_ns(self) -> int:
+        """The deadline of a cuda_ipc call starting now (see CUDA_ANSWER_GRACE_S)."""
+        return time.monotonic_ns() + int(self.timeout * 1e9)
+
+    @staticmethod
+    def _cuda_wait(deadline_ns: int) -> float:
+        return max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9) + CUDA_ANSWER_GRACE_S
 
     # ------------------------------------------------------------------ data plane
 
@@ -165,11 +189,22 @@ class KVTierClient:
     ) -> np.ndarray:
         return self._run(ops.load(self.state, ns, hashes, lease_id, transport))
 
-    def load_cuda(self, ns: ops.Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0) -> int:
-        return self._run(ops.load_cuda(self.state, ns, device_block_ids, hashes, lease_id))
+    def load_cuda(  # noqa: PLR0913
+        self, ns: ops.Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
+    ) -> int:
+        """See ops.load_cuda; `deadline_ns` defaults to `cuda_deadline_ns()`, and the answer is waited
+        for until CUDA_ANSWER_GRACE_S past it."""
+        deadline_ns = deadline_ns or self.cuda_deadline_ns()
+        op = ops.load_cuda(self.state, ns, device_block_ids, hashes, lease_id, deadline_ns)
+        return self._run(op, self._cuda_wait(deadline_ns))
 
-    def store_cuda(self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int]) -> int:
-        return self._run(ops.store_cuda(self.state, ns, hashes, device_block_ids))
+    def store_cuda(
+        self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], deadline_ns: int = 0
+    ) -> int:
+        """See ops.store_cuda; the deadline as for load_cuda."""
+        deadline_ns = deadline_ns or self.cuda_deadline_ns()
+        op = ops.store_cuda(self.state, ns, hashes, device_block_ids, deadline_ns)
+        return self._run(op, self._cuda_wait(deadline_ns))
 
     def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:
         return self._run(ops.reserve(self.state, ns, hashes))

@@ -48,11 +48,13 @@ def data_socket_path(grpc_address: str, name: str) -> Path | None:
 
 
 class DataSocketError(grpc.RpcError):
-    """A failed call, shaped like grpc's errors: `code()` and `details()`."""
+    """A failed call, shaped like grpc's errors: `code()` and `details()`. `answered`: the daemon sent
+    this status (False: the call failed here, e.g. a timeout, and its outcome is unknown)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, answered: bool = True) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.answered = answered
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -72,19 +74,21 @@ class DataSocket:
         self._connections: set[socket.socket] = set()
         self._connection()  # a socket that is not there shows now, not at the first call
 
-    def call(self, method: str, request):
-        """The response to `request`; raises DataSocketError with the daemon's status on failure."""
+    def call(self, method: str, request, timeout: float | None = None):
+        """The response to `request` (waited for up to `timeout`, default the client's); raises
+        DataSocketError with the daemon's status on failure."""
         connection = self._connection()
         name = method.encode()
         payload = request.SerializeToString()
         try:
+            connection.settimeout(self.timeout if timeout is None else timeout)
             connection.sendall(b"".join((REQUEST_HEADER.pack(len(payload), len(name)), name, payload)))
             length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size))
             body = _receive(connection, length)
         except OSError as exc:  # a timeout included: the connection's framing is lost, so drop it
             self._drop(connection)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
-            raise DataSocketError(code, f"data socket {self.path}: {exc}") from None
+            raise DataSocketError(code, f"data socket {self.path}: {exc}", answered=False) from None
         if status:
             raise DataSocketError(STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return MESSAGES[method][1].FromString(body)
@@ -99,7 +103,7 @@ class DataSocket:
         connection = getattr(self._local, "connection", None)
         if connection is None or connection.fileno() < 0:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            connection.settimeout(self.timeout)
+            connection.settimeout(self.timeout)  # (connecting)
             try:
                 connection.connect(str(self.path))
             except OSError:

@@ -5,6 +5,7 @@ awaits, so both share every line of request building, validation and pool copyin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -93,7 +94,7 @@ def join_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
 
 
 def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> Op:
-    request = pb.RegisterRequest(session_id=state.session_id, spec=spec, cuda_kv=cuda_kv)
+    request = pb.RegisterRequest(session_id=state.session_id, spec=spec, cuda_kv=cuda_kv, monotonic_ns=time.monotonic_ns())
     response = yield "Register", request
     return Namespace(
         response.namespace,
@@ -154,30 +155,38 @@ def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, tran
     return blocks[: verified_prefix(blocks, checksum.decode(response.checksums))]
 
 
-def load_cuda(state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0) -> Op:
+def load_cuda(  # noqa: PLR0913
+    state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
+) -> Op:
     """The daemon copies the leading present blocks into the engine's GPU blocks `device_block_ids`
-    (in order) and checks them; returns how many. A checksum failure raises grpc DATA_LOSS."""
+    (in order) and checks them; returns how many. A checksum failure raises grpc DATA_LOSS; a copy
+    that could not end by `deadline_ns` (CLOCK_MONOTONIC, 0: none) is not started (DEADLINE_EXCEEDED)."""
+    target = pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns)
     request = pb.LoadRequest(
         session_id=state.session_id,
         namespace=ns.id,
         hashes=join_hashes(hashes),
         lease_id=lease_id,
         transport=pb.TRANSPORT_CUDA_IPC,
-        cuda_ipc=pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids),
+        cuda_ipc=target,
     )
     response = yield "Load", request
     return response.block_count
 
 
-def store_cuda(state: SessionState, ns: Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int]) -> Op:
+def store_cuda(
+    state: SessionState, ns: Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], deadline_ns: int = 0
+) -> Op:
     """The daemon copies the engine's GPU blocks into the pool (after the engine's ready event) and
-    commits them; returns how many were newly committed."""
+    commits them; returns how many were newly committed. Nothing is committed from a copy seen ending
+    after `deadline_ns` (DEADLINE_EXCEEDED)."""
+    target = pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns)
     request = pb.ReserveRequest(
         session_id=state.session_id,
         namespace=ns.id,
         hashes=join_hashes(hashes),
         transport=pb.TRANSPORT_CUDA_IPC,
-        cuda_ipc=pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids),
+        cuda_ipc=target,
     )
     response = yield "Reserve", request
     return response.committed_count

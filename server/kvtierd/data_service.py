@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
 from kvtierd.block_store import BlockStore, Lease, Namespace, until_repeat
-from kvtierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtierd.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvtierd.fs_tier import FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
@@ -106,7 +107,8 @@ class DataService(pb_grpc.KVTierServicer):
         response = pb.RegisterResponse(namespace=ns.id, block_bytes=ns.block_bytes, pages_per_block=ns.pages_per_block)
         if request.HasField("cuda_kv"):
             try:
-                response.cuda_registration = self.gpu.register(session.id, request.cuda_kv, ns.id, ns.block_bytes).id
+                registration = self.gpu.register(session.id, request.cuda_kv, ns.id, ns.block_bytes, request.monotonic_ns)
+                response.cuda_registration = registration.id
             except (FailedPrecondition, InvalidArgument) as exc:  # the namespace stands; the engine uses TRANSPORT_SHM
                 response.cuda_refused = str(exc)
                 log.warning("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
@@ -220,23 +222,25 @@ class DataService(pb_grpc.KVTierServicer):
             )
         if registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
-            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc.device_block_ids, answer_now)
+            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
         return self._load_inline(session.id, lease)
 
-    async def _load_cuda(self, session_id: str, lease: Lease, registration, device_block_ids, answer_now) -> pb.LoadResponse:
+    async def _load_cuda(
+        self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer_now
+    ) -> pb.LoadResponse:
         """Copy, verify, answer (at once when `answer_now` is given), then release the lease."""
         ns = lease.namespace
         try:
             count = len(lease.blocks)
-            if len(device_block_ids) < count:
-                raise InvalidArgument(f"{len(device_block_ids)} device block ids for {count} blocks to load")
-            targets = np.asarray(device_block_ids[:count], dtype=np.int64)
+            if len(target.device_block_ids) < count:
+                raise InvalidArgument(f"{len(target.device_block_ids)} device block ids for {count} blocks to load")
+            targets = np.asarray(target.device_block_ids[:count], dtype=np.int64)
             registration.check_blocks(targets)
             expected = self.store.checksum[lease.slots]
             response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                bad = checksum.mismatched(await self.gpu.load(registration, targets, pages), expected)
+                bad = checksum.mismatched(await self.gpu.load(registration, targets, pages, target.deadline_ns), expected)
                 if answer_now is not None and not bad.any():
                     answer_now(response)  # the moment the bytes are seen in place
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
@@ -305,12 +309,16 @@ class DataService(pb_grpc.KVTierServicer):
         if reservation is None:
             return response
         chosen = device_blocks[result.statuses == pb.BLOCK_STATUS_RESERVED]
+        deadline_ns = request.cuda_ipc.deadline_ns
         try:
             with self.metrics.cuda_copy_seconds.labels("store").time():
-                sums = await self.gpu.store(registration, chosen, decode_page_ids(reservation.page_ids, ns.pages_per_block))
+                pages = decode_page_ids(reservation.page_ids, ns.pages_per_block)
+                sums = await self.gpu.store(registration, chosen, pages, deadline_ns)
             self.metrics.cuda_copy_bytes.labels("store").inc(len(chosen) * ns.block_bytes)
             if registration.closing:  # the engine died during the copy: its last step may be half computed
                 raise FailedPrecondition("the engine's session ended during the store; nothing was committed")
+            if deadline_ns and time.monotonic_ns() > deadline_ns:  # the engine may have reused the blocks meanwhile
+                raise DeadlineExceeded("the copy was seen ending after the call's deadline; nothing was committed")
         except BaseException:
             self.store.abort(session.id, reservation.id)
             raise

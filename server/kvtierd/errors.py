@@ -39,5 +39,11 @@ class Unauthenticated(KVTierError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class DeadlineExceeded(KVTierError):
+    """A cuda_ipc copy that could not end by the call's deadline (after which the engine may reuse its blocks)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class DataLoss(KVTierError):
     code = grpc.StatusCode.DATA_LOSS

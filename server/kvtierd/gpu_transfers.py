@@ -19,6 +19,10 @@ after part of it went to the GPU (gpu_copy's LaunchFailed) is watched the same w
 has landed, and only then does its error go up (and its pages go free). When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
 memory of an engine that died is then freed).
+Deadlines: a call may name the moment (the host's CLOCK_MONOTONIC) after which its engine stops
+waiting for the answer and may reuse the blocks. No copy starts that the LinkClock says cannot end
+by then; the data service commits no store seen ending after it. An engine whose clock is not the
+daemon's (a time namespace) is refused at registration, since its deadlines would mean other moments.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -33,7 +38,7 @@ import numpy as np
 
 from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtierd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 log = logging.getLogger("kvtierd.gpu")
 
@@ -44,6 +49,8 @@ FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expe
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
 MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
+MAX_ENGINE_CLOCK_AHEAD_NS = 1_000_000_000  # an engine clock further ahead of ours makes its deadlines late
+MAX_ENGINE_CLOCK_BEHIND_NS = 60_000_000_000  # one further behind (beyond any Register's transit): every copy refused
 
 
 @dataclass
@@ -77,11 +84,15 @@ class GpuTransfers:
 
     # ------------------------------------------------------------------ registration
 
-    def register(self, session_id: str, cache: pb.CudaKVCache, namespace_id: str, block_bytes: int) -> CudaRegistration:
+    def register(  # noqa: PLR0913
+        self, session_id: str, cache: pb.CudaKVCache, namespace_id: str, block_bytes: int, engine_clock_ns: int
+    ) -> CudaRegistration:
         """Open an engine worker's KV cache for one namespace; raises InvalidArgument for a malformed
         description and FailedPrecondition when this daemon cannot (no CUDA, pool not registered,
-        another GPU). Everything the engine sends is checked before the first CUDA call."""
+        another GPU, another clock). Everything the engine sends is checked before the first CUDA call.
+        `engine_clock_ns` is the engine's CLOCK_MONOTONIC when it sent the request."""
         runs = _checked_runs(cache, block_bytes)
+        _check_clock(engine_clock_ns)
         try:
             template = SegmentTemplate.build(runs, self.page_size)
         except ValueError as exc:
@@ -141,29 +152,40 @@ class GpuTransfers:
 
     # ------------------------------------------------------------------ copies
 
-    async def store(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+    async def store(
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, deadline_ns: int = 0
+    ) -> np.ndarray:
         """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
-        return await self._run(registration, block_ids, page_ids, to_pool=True)
+        return await self._run(registration, block_ids, page_ids, to_pool=True, deadline_ns=deadline_ns)
 
-    async def load(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray) -> np.ndarray:
+    async def load(
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, deadline_ns: int = 0
+    ) -> np.ndarray:
         """Copy pool blocks into engine blocks; the checksums of what was copied, as soon as the bytes
         are seen in place."""
-        return await self._run(registration, block_ids, page_ids, to_pool=False)
+        return await self._run(registration, block_ids, page_ids, to_pool=False, deadline_ns=deadline_ns)
 
-    async def _run(self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
-        """Enqueue the copy and poll it (see the module's notes); the registration stays open until it has ended."""
+    async def _run(  # noqa: PLR0913
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, deadline_ns: int
+    ):
+        """Enqueue the copy and poll it (see the module's notes); the registration stays open until it
+        has ended. A copy that cannot end by `deadline_ns` (0: none) is not started."""
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.in_flight += 1
         try:
             lane = next(self._lanes[registration.device_index])
+            now = asyncio.get_running_loop().time()
+            end = self._clock.expected_end(now, lane, to_pool, len(block_ids) * registration.layout.block_bytes)
+            if deadline_ns and time.monotonic_ns() + (end - now) * 1e9 > deadline_ns:
+                raise DeadlineExceeded("the copy could not end by the call's deadline; nothing was copied")
             try:
                 launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
             except LaunchFailed as failed:  # what went to the GPU lands before the pages are freed
                 await _landed(failed.enqueued, asyncio.get_running_loop().time())
                 raise
-            size = len(block_ids) * registration.layout.block_bytes
-            await _landed(launched, self._clock.expected_end(asyncio.get_running_loop().time(), lane, to_pool, size))
+            self._clock.book(lane, to_pool, end)
+            await _landed(launched, end)
             return launched.checksums()
         finally:
             registration.in_flight -= 1
@@ -243,14 +265,17 @@ class LinkClock:
     _direction_ends: dict = field(default_factory=dict)  # (device, to pool) -> {lane: end of its last copy}
 
     def expected_end(self, now: float, lane, to_pool: bool, size: int) -> float:
+        """When a copy of `size` bytes started on `lane` now could end (`book` it once started)."""
         start = max(now, self._lane_end.get(lane, now))
-        sharing = self._direction_ends.setdefault((lane.device, to_pool), {})
+        sharing = self._direction_ends.get((lane.device, to_pool), {})
         shared = sum(
             min(size, (end - start) * LINK_BYTES_PER_S) for other, end in sharing.items() if other != lane and end > start
         )
-        end = start + (size + shared) / LINK_BYTES_PER_S
-        self._lane_end[lane] = sharing[lane] = end
-        return end
+        return start + (size + shared) / LINK_BYTES_PER_S
+
+    def book(self, lane, to_pool: bool, end: float) -> None:
+        """A copy ending at `end` was started on `lane`."""
+        self._lane_end[lane] = self._direction_ends.setdefault((lane.device, to_pool), {})[lane] = end
 
 
 async def _landed(launched, expected_end: float) -> None:
@@ -311,6 +336,19 @@ def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
         if end > cache.allocations[run.allocation].size_bytes:
             raise InvalidArgument(f"run {run} reaches byte {end}, beyond its allocation")
     return runs
+
+
+def _check_clock(engine_clock_ns: int) -> None:
+    """Deadlines are the engine's CLOCK_MONOTONIC: refuse an engine whose clock is not ours. Sent
+    before we read ours, its clock may lag ours by the request's transit, but never lead it."""
+    if not engine_clock_ns:
+        raise InvalidArgument("cuda_kv needs RegisterRequest.monotonic_ns (the engine's clock, for deadlines)")
+    lead = engine_clock_ns - time.monotonic_ns()
+    if lead > MAX_ENGINE_CLOCK_AHEAD_NS or lead < -MAX_ENGINE_CLOCK_BEHIND_NS:
+        raise FailedPrecondition(
+            f"the engine's CLOCK_MONOTONIC is {lead / 1e9:+.1f} s from this daemon's (another time namespace?); "
+            "cuda_ipc deadlines need one clock"
+        )
 
 
 def _device_by_uuid(torch, device_uuid: str) -> int:

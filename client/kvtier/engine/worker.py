@@ -7,6 +7,10 @@ Two transports, chosen per daemon connection:
   engine's stream never waits for a store. The blocks must not be reused before the daemon copied
   them: a finished request's blocks are freed only once its stores are done (vLLM's
   finished_sending), and a preempted request's stores are awaited before its blocks are reused.
+  "Done" means the daemon answered, or the call's deadline (and CUDA_ANSWER_GRACE_S) has passed: a
+  call that failed here (a timeout, a broken connection) may still have a copy under way in the
+  daemon, so its blocks stay held until then (`DeviceCall`); the daemon starts no copy that cannot
+  end by the deadline.
 - shm (CPU caches, or a daemon that refused cuda_ipc): the engine copies. Loads pin the blocks, copy
   them out of the mapped pool into the engine's blocks, verify their checksums and release. A GPU
   cache copies with the daemon's kernel (GpuKV), ordered and delayed like cuda_ipc. A CPU cache's
@@ -27,12 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from kvtier import checksum
-from kvtier.client import KVTierClient
+from kvtier.client import CUDA_ANSWER_GRACE_S, KVTierClient, answered_by_daemon
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.kv_blocks import LayerMajorKV
 
@@ -44,6 +48,8 @@ from kvtier.pool_view import PageView
 from kvtier.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.engine")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,6 +68,29 @@ MAX_PENDING_GPU_STORES = 32  # a GPU engine's store calls (one per step) waiting
 
 class LoadFailed(Exception):
     pass
+
+
+@dataclass
+class DeviceCall:
+    """A call that may have the daemon copy to or from the engine's blocks (cuda_ipc), and how long
+    it holds them: until it ends, and when it failed without the daemon's answer, until its
+    deadline and CUDA_ANSWER_GRACE_S have passed (a copy the daemon started may land until then)."""
+
+    future: Future | None = None
+    held_until_ns: int = 0
+
+    def run(self, client: KVTierClient, call: Callable[[int], T]) -> T:
+        """On the link thread: `call(deadline_ns)`."""
+        deadline_ns = client.cuda_deadline_ns()
+        try:
+            return call(deadline_ns)
+        except BaseException as exc:
+            if not answered_by_daemon(exc):
+                self.held_until_ns = deadline_ns + int(CUDA_ANSWER_GRACE_S * 1e9)
+            raise
+
+    def settled(self) -> bool:
+        return self.future.done() and time.monotonic_ns() >= self.held_until_ns
 
 
 @dataclass(frozen=True)
@@ -83,11 +112,11 @@ class BlockTransfers:
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
     _disabled: str = ""
-    _loads: dict[str, tuple[LoadJob, Future]] = field(default_factory=dict)
+    _loads: dict[str, tuple[LoadJob, DeviceCall]] = field(default_factory=dict)
     _pending_store_bytes: int = 0
     _pending_gpu_stores: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _device_stores: dict[str, list[Future]] = field(default_factory=dict)  # per request: daemon copies in flight
+    _device_stores: dict[str, list[DeviceCall]] = field(default_factory=dict)  # per request: store calls in flight
     _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
 
     def configure(self, namespace_spec: bytes) -> None:
@@ -126,14 +155,16 @@ class BlockTransfers:
     def start_loads(self, jobs: list[LoadJob]) -> None:
         """Every job gets a Future, so every waiting request is answered (loaded or failed)."""
         for job in jobs:
+            call = DeviceCall()
             try:
                 if self._disabled or self.kv is None:
                     raise LoadFailed(self._disabled or "no KV cache registered")
-                self._loads[job.req_id] = job, self.link.submit(lambda client, ns, job=job: self._load(client, ns, job))
+                call.future = self.link.submit(lambda client, ns, job=job, call=call: self._load(client, ns, job, call))
             except Exception as exc:  # noqa: BLE001
-                self._loads[job.req_id] = job, _failed_future(str(exc))
+                call.future = _failed_future(str(exc))
+            self._loads[job.req_id] = job, call
 
-    def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob) -> int | _Pinned:
+    def _load(self, client: KVTierClient, ns: Namespace, job: LoadJob, call: DeviceCall) -> int | _Pinned:
         """On the link thread: bytes loaded (GPU caches: copied and checked here), or the pinned blocks
         a CPU cache copies on the engine's own thread (`finished_loads`). A CPU copy here would run
         many numpy calls, each waiting for the GIL that the engine's busy loop holds: several times
@@ -141,7 +172,7 @@ class BlockTransfers:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         if ns.cuda_registration:
-            loaded = client.load_cuda(ns, job.block_ids, hashes=job.hashes)
+            loaded = call.run(client, lambda deadline_ns: client.load_cuda(ns, job.block_ids, job.hashes, 0, deadline_ns))
             if loaded < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
             return loaded * ns.block_bytes
@@ -173,13 +204,13 @@ class BlockTransfers:
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids; failed ones are in both."""
         finished, failed = set(), set()
-        for req_id, (job, future) in list(self._loads.items()):
-            if not future.done():
+        for req_id, (job, call) in list(self._loads.items()):
+            if not call.settled():
                 continue
             del self._loads[req_id]
             finished.add(req_id)
             try:
-                loaded = future.result()
+                loaded = call.future.result()
                 if isinstance(loaded, _Pinned):
                     loaded = self._copy_pinned(job, loaded)
             except Exception as exc:  # noqa: BLE001 (any failure, DaemonUnavailable or LoadFailed included, means recompute)
@@ -210,16 +241,17 @@ class BlockTransfers:
                     self.stats.store_skipped_blocks += len(block_ids)
                     return
                 self._pending_gpu_stores += 1
+            call = DeviceCall()
             try:
                 self._gpu_kv.record_ready()
-                future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids))
+                call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, call))
             except BaseException:
                 with self._lock:
                     self._pending_gpu_stores -= 1
                 raise
-            future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
+            call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
             for job in jobs:
-                self._device_stores[job.req_id].append(future)
+                self._device_stores[job.req_id].append(call)
             return
         size = len(block_ids) * self.kv.block_bytes
         with self._lock:
@@ -231,9 +263,11 @@ class BlockTransfers:
         future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
-    def _store_gpu(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int]) -> int:
+    def _store_gpu(  # noqa: PLR0913
+        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], call: DeviceCall
+    ) -> int:
         if ns.cuda_registration:
-            return client.store_cuda(ns, hashes, block_ids)
+            return call.run(client, lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns))
 
         def write(reservation: Reservation) -> np.ndarray:
             chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
@@ -268,7 +302,7 @@ class BlockTransfers:
         """Of the requests vLLM finished (now or before), those whose blocks no store reads any more
         (vLLM frees them on this answer: finished_sending)."""
         self._finishing |= finished_req_ids & self._device_stores.keys()
-        done = {r for r in self._finishing if all(f.done() for f in self._device_stores[r])}
+        done = {r for r in self._finishing if all(call.settled() for call in self._device_stores[r])}
         for req_id in done:
             del self._device_stores[req_id]
         self._finishing -= done
@@ -276,13 +310,17 @@ class BlockTransfers:
 
     def fence(self, req_ids: set[str], timeout: float) -> None:
         """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
-        dropped, and the ones under way are awaited (each is bounded by its call's deadline, after
-        which the daemon aborts it rather than commit bytes it may have read late)."""
-        futures = [f for r in req_ids for f in self._device_stores.pop(r, [])]
+        dropped, and the ones under way are awaited, up to `timeout` (each is settled by its deadline
+        and CUDA_ANSWER_GRACE_S; the daemon commits nothing it saw copied after the deadline)."""
+        calls = [call for r in req_ids for call in self._device_stores.pop(r, [])]
         self._finishing -= req_ids
-        under_way = [f for f in futures if not f.cancel()]  # cancel() works for calls still queued
+        under_way = [call for call in calls if not call.future.cancel()]  # cancel() works for calls still queued
+        ends = time.monotonic() + timeout
         if under_way:
-            wait_futures(under_way, timeout=timeout)
+            wait_futures([call.future for call in under_way], timeout=timeout)
+        held_ns = max((call.held_until_ns for call in under_way), default=0) - time.monotonic_ns()
+        if held_ns > 0:
+            time.sleep(min(held_ns / 1e9, max(0.0, ends - time.monotonic())))
 
     def take_stats(self) -> WorkerStats:
         with self._lock:

@@ -188,14 +188,16 @@ class CudaKVCache(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[CudaAllocation, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[KVRun, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "cuda_kv")
+    __slots__ = ("session_id", "spec", "cuda_kv", "monotonic_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CUDA_KV_FIELD_NUMBER: _ClassVar[int]
+    MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: NamespaceSpec
     cuda_kv: CudaKVCache
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ...) -> None: ...
+    monotonic_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ..., monotonic_ns: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("namespace", "block_bytes", "pages_per_block", "cuda_registration", "cuda_refused")
@@ -256,12 +258,14 @@ class LookupBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTarget(_message.Message):
-    __slots__ = ("registration_id", "device_block_ids")
+    __slots__ = ("registration_id", "device_block_ids", "deadline_ns")
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     registration_id: str
     device_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    deadline_ns: int
+    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "lease_id", "hashes", "transport", "cuda_ipc")
