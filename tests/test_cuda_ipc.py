@@ -4,6 +4,7 @@ device machine; without CUDA they skip, and the refusal test checks the fallback
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -228,6 +229,46 @@ def registered_cache(client: KVTierClient, layout: str = "BLHNC"):
 
 
 @gpu
+def test_an_allocation_claiming_more_than_its_memory_is_refused(start_daemon):
+    """The daemon's copies go by the sizes a registration claims. A claim past the memory the IPC
+    handle really opens (a copy there would fault, and a fault poisons the daemon's CUDA context for
+    every engine) is refused at Register; the daemon goes on serving."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        cache = kv.describe()
+        cache.allocations[0].size_bytes *= 4  # (the runs still fit the claim: four times the blocks)
+        cache.num_blocks *= 4
+        claimed = client.register(namespace_spec(geometry, "BLHNC"), cache)
+        assert not claimed.cuda_registration and "the memory its handle opens has" in claimed.cuda_refused
+        hashes = block_hashes(2, 8)
+        assert client.store(ns, hashes, seeded_blocks(geometry, 2, 8).cpu().numpy()) == 8
+        assert client.load_cuda(ns, list(range(8)), hashes) == 8  # the truthful registration serves
+    assert daemon.process.poll() is None
+
+
+@gpu
+def test_registering_a_namespace_again_closes_the_sessions_earlier_registration(start_daemon):
+    """A session that registers its cache again for the same namespace (the connector does after a
+    change of plan) gets a new registration and the earlier one closes, instead of mappings piling up
+    until the session ends."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, first = registered_cache(client)
+        again = client.register(namespace_spec(geometry, "BLHNC"), kv.describe())
+        assert again.cuda_registration and again.cuda_registration != first.cuda_registration
+        assert daemon.log().count("cuda_ipc closed") == 1
+        hashes = block_hashes(8, 8)
+        assert client.store(again, hashes, seeded_blocks(geometry, 8, 8).cpu().numpy()) == 8
+        with pytest.raises(grpc.RpcError) as closed:
+            client.load_cuda(first, list(range(8)), hashes)
+        assert closed.value.code() == grpc.StatusCode.NOT_FOUND
+        assert client.load_cuda(again, list(range(8)), hashes) == 8
+
+
+@gpu
 def test_a_load_the_daemon_reaches_after_its_deadline_is_not_copied(start_daemon):
     """An engine stops waiting for a cuda_ipc load soon after its deadline and may then reuse the
     blocks (vLLM frees a failed request's blocks). A daemon that gets to the load only after the
@@ -253,10 +294,12 @@ def test_a_load_the_daemon_reaches_after_its_deadline_is_not_copied(start_daemon
 
 
 @gpu
-def test_a_store_seen_copied_after_its_deadline_is_not_committed(start_daemon):
+def test_a_store_whose_blocks_are_not_ready_by_its_deadline_is_not_copied(start_daemon):
     """The daemon's store copy waits for the engine's ready event. Once the deadline has passed the
-    engine may reuse the blocks, so bytes copied after it may be another request's: a store whose copy
-    the daemon sees ending after the deadline is aborted (DEADLINE_EXCEEDED), not committed."""
+    engine may reuse the blocks, so bytes copied after it may be another request's: a store whose
+    forward has not ended by the deadline is refused (DEADLINE_EXCEEDED), nothing copied or committed.
+    (The daemon also commits no store whose copy it sees ending after the deadline, a backstop for a
+    copy slower than its estimate, which no test here can make happen on demand.)"""
     daemon = start_daemon("--pool-size", "256MiB")
     with KVTierClient(daemon.address, timeout=30) as client:
         _, kv, ns = registered_cache(client)
@@ -270,6 +313,41 @@ def test_a_store_seen_copied_after_its_deadline_is_not_committed(start_daemon):
         torch.cuda.synchronize()
         kv.record_ready()
         assert client.store_cuda(ns, hashes, list(range(8))) == 8  # ready in time: committed
+
+
+@gpu
+def test_a_store_waiting_for_its_engines_forward_holds_up_no_other_engines_copies(start_daemon):
+    """The daemon's copy lanes serve every engine on the GPU. A store waits for its engine's forward
+    (the ready event) on the host, not on a lane: another engine's loads take their usual time
+    meanwhile, and the store still copies what the forward wrote."""
+    from kvtierd.gpu_transfers import LANES_PER_DEVICE
+
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as a_client, KVTierClient(daemon.address, timeout=30) as b_client:
+        _, a, a_ns = registered_cache(a_client)
+        _, _, b_ns = registered_cache(b_client)
+        b_hashes = block_hashes(6, 8)
+        assert b_client.store(b_ns, b_hashes, seeded_blocks(geometry, 6, 8).cpu().numpy()) == 8
+        forward = seeded_blocks(geometry, 9, 8)
+        torch.cuda._sleep(3_000_000_000)  # engine A's forward: about 1.5 s, then it writes blocks 0-7
+        start = 0
+        for run in a.runs:
+            run.rows[:8] = forward[:, start : start + run.run.size]
+            start += run.run.size
+        a.record_ready()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            store = pool.submit(a_client.store_cuda, a_ns, block_hashes(9, 8), list(range(8)))
+            times = []
+            for _ in range(2 * LANES_PER_DEVICE):  # engine B's loads go round every lane
+                started = time.monotonic()
+                assert b_client.load_cuda(b_ns, list(range(8)), b_hashes) == 8
+                times.append(time.monotonic() - started)
+            assert not store.done()  # A's forward is still running
+            assert max(times) < 0.5, times
+            assert store.result(timeout=30) == 8
+        stored = a_client.load(a_ns, block_hashes(9, 8), transport="inline")
+        assert np.array_equal(stored, forward.cpu().numpy())
 
 
 @gpu
