@@ -19,7 +19,7 @@ import pytest
 from blocks import spec
 from daemon import DaemonProcess
 
-from kvtier.client import KVTierClient, answered_by_daemon
+from kvtier.client import KVTierClient
 from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -236,10 +236,14 @@ def test_an_allocation_claiming_more_than_its_memory_is_refused(start_daemon):
     daemon = start_daemon("--pool-size", "256MiB")
     geometry = Geometry(**GEOMETRY)
     with KVTierClient(daemon.address, timeout=30) as client:
-        _, kv, ns = registered_cache(client)
+        from kvtierd.gpu_transfers import _allocation_range
+
+        buffer, kv, ns = registered_cache(client)
+        base, size = _allocation_range(buffer.data_ptr())  # the allocator's segment the cache lies in
+        blocks = (base + size - buffer.data_ptr()) // geometry.block_bytes + 1  # one block past its end
         cache = kv.describe()
-        cache.allocations[0].size_bytes *= 4  # (the runs still fit the claim: four times the blocks)
-        cache.num_blocks *= 4
+        cache.allocations[0].size_bytes = blocks * geometry.block_bytes  # (the runs still fit the claim)
+        cache.num_blocks = blocks
         claimed = client.register(namespace_spec(geometry, "BLHNC"), cache)
         assert not claimed.cuda_registration and "the memory its handle opens has" in claimed.cuda_refused
         hashes = block_hashes(2, 8)
@@ -285,7 +289,7 @@ def test_a_load_the_daemon_reaches_after_its_deadline_is_not_copied(start_daemon
         with pytest.raises(grpc.RpcError) as late:
             client.load_cuda(ns, list(range(8)), hashes, deadline_ns=time.monotonic_ns() + 300_000_000)
         resume.join()
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and answered_by_daemon(late.value)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.answered  # (the daemon's status)
         time.sleep(0.2)
         torch.cuda.synchronize()
         assert not buffer.any()  # nothing landed in the engine's blocks
@@ -348,6 +352,35 @@ def test_a_store_waiting_for_its_engines_forward_holds_up_no_other_engines_copie
             assert store.result(timeout=30) == 8
         stored = a_client.load(a_ns, block_hashes(9, 8), transport="inline")
         assert np.array_equal(stored, forward.cpu().numpy())
+
+
+@gpu
+def test_a_store_waits_for_the_forward_it_follows_not_for_later_ones(start_daemon):
+    """With vLLM's async scheduling the engine records its ready event for the next step before this
+    step's forward is done, step after step. A store waits for the record current when it arrived;
+    under steady load the latest record is never done, so waiting for that would hold it for ever."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        forward = seeded_blocks(geometry, 11, 8)
+        torch.cuda._sleep(2_000_000_000)  # this step's forward: about a second, then it writes blocks 0-7
+        start = 0
+        for run in kv.runs:
+            run.rows[:8] = forward[:, start : start + run.run.size]
+            start += run.run.size
+        kv.record_ready()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            store = pool.submit(client.store_cuda, ns, block_hashes(11, 8), list(range(8)))
+            started = time.monotonic()
+            while not store.done() and time.monotonic() - started < 4:  # later steps, queued ahead of the GPU
+                torch.cuda._sleep(200_000_000)
+                kv.record_ready()
+                time.sleep(0.05)
+            assert store.done(), "the store waited for later steps' records"
+            assert store.result() == 8
+        torch.cuda.synchronize()
+        assert np.array_equal(client.load(ns, block_hashes(11, 8), transport="inline"), forward.cpu().numpy())
 
 
 @gpu

@@ -13,7 +13,6 @@ from blocks import chain_hashes, spec
 
 torch = pytest.importorskip("torch")
 
-from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.data_socket import DataSocketError  # noqa: E402
 from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
@@ -248,10 +247,11 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     running = link.submit(lambda client, ns: release.wait(10))  # a daemon call under way
     queued = link.submit(lambda client, ns: 1)  # a store still waiting for the link thread
     worker.save(plan.stores)
-    worker._device_stores["r"].append(DeviceCall(running))  # as cuda_ipc stores in flight would be
-    worker._device_stores["p"].append(DeviceCall(queued))
+    in_30_s = time.monotonic_ns() + 30_000_000_000
+    worker._device_stores["r"].append(DeviceCall(in_30_s, running))  # as cuda_ipc stores in flight would be
+    worker._device_stores["p"].append(DeviceCall(in_30_s, queued))
     assert worker.finished_stores({"r"}) == set()  # not yet: the daemon has not copied
-    worker.fence({"p"}, timeout=30)
+    worker.fence({"p"})
     assert queued.cancelled() and not running.done()  # never sent, so nothing to wait for
     release.set()
     wait(lambda: running.done())
@@ -259,36 +259,77 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
     assert worker.finished_stores({"r", "p"}) == set()
 
 
-def test_a_cuda_call_failing_without_the_daemons_answer_holds_its_blocks_past_its_deadline(link, monkeypatch):
-    """A cuda_ipc call that failed here (a broken connection, a timeout) says nothing of the daemon's
-    copy: the daemon may still start it until the call's deadline, and it may land a little later. So
-    the load is reported (and its blocks given back to vLLM) only once the deadline and
-    CUDA_ANSWER_GRACE_S have passed. A failure the daemon answered (it answers only once its copies
-    are over) and a success are reported at once."""
+def device_call(link, due_in: float, outcome: Exception | None = None, gate: threading.Event | None = None) -> DeviceCall:
+    """A copy call on the link thread (as the worker makes them) that ends with `outcome` (raised) or
+    succeeds, once `gate` (if any) is set; it checks the deadline it is handed."""
+    call = DeviceCall.due_in(due_in)
+
+    def copy(deadline_ns: int) -> int:
+        assert deadline_ns == call.deadline_ns
+        if gate is not None:
+            gate.wait(30)
+        if outcome is not None:
+            raise outcome
+        return 1
+
+    call.future = link.submit(lambda client, ns: call.run(copy))
+    return call
+
+
+BROKEN = DataSocketError(grpc.StatusCode.UNAVAILABLE, "connection reset", answered=False)  # sent: may still copy
+REFUSED = DataSocketError(grpc.StatusCode.DEADLINE_EXCEEDED, "could not end by the deadline")  # the daemon's answer
+NEVER_SENT = DataSocketError(grpc.StatusCode.UNAVAILABLE, "connection refused", answered=False, sent=False)
+
+
+def test_a_copy_call_failing_without_the_daemon_being_done_holds_its_blocks_past_its_deadline(link, monkeypatch):
+    """A cuda_ipc call that failed here after its request went out (a broken connection, a timeout)
+    says nothing of the daemon's copy: the daemon may still start it until the call's deadline, and it
+    may land a little later. So the load is reported (and its blocks given back to vLLM) only once the
+    deadline and CUDA_ANSWER_GRACE_S have passed. A failure the daemon answered (it answers only once
+    its copies are over), a request that never went out, and a success are reported at once."""
     monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
-    client = KVTierClient("unix:///nonexistent", timeout=0.5)  # (its deadlines: now + 0.5 s; never connected)
     worker, _ = transfers(link, seed=3)
-
-    def start(req_id: str, outcome: Exception | None) -> None:
-        def copy(deadline_ns: int) -> int:
-            assert 0 < deadline_ns - time.monotonic_ns() <= 500_000_000
-            if outcome is not None:
-                raise outcome
-            return 1
-
-        call = DeviceCall()
-        call.future = link.submit(lambda client_, ns: call.run(client, copy))
-        worker._loads[req_id] = LoadJob(req_id, [0], chain_hashes(req_id, 1)), call  # as a cuda_ipc load
-
     started = time.monotonic()
-    start("broken", DataSocketError(grpc.StatusCode.UNAVAILABLE, "connection reset", answered=False))
-    start("refused", DataSocketError(grpc.StatusCode.DEADLINE_EXCEEDED, "could not end by the deadline"))
-    start("loaded", None)
-    link.submit(lambda client_, ns: None).result(timeout=10)  # all three have ended
+    for req_id, outcome in [("broken", BROKEN), ("refused", REFUSED), ("never-sent", NEVER_SENT), ("loaded", None)]:
+        worker._loads[req_id] = LoadJob(req_id, [0], chain_hashes(req_id, 1)), device_call(link, 0.5, outcome)
+    link.submit(lambda client, ns: None).result(timeout=10)  # all four have ended
     finished, failed = worker.finished_loads()
-    assert finished == {"refused", "loaded"} and failed == {"refused"}
+    assert finished == {"refused", "never-sent", "loaded"} and failed == {"refused", "never-sent"}
     finished, failed = drain_loads(worker)
     assert finished == failed == {"broken"} and time.monotonic() - started >= 1.0
+
+
+def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
+    """The deadline is fixed when the call is submitted: one that waited for the link thread (behind
+    a slow call, a reconnect) past it is not sent, and holds nothing."""
+    busy = threading.Event()
+    link.submit(lambda client, ns: busy.wait(30))
+    late = device_call(link, 0.2)
+    time.sleep(0.3)
+    busy.set()
+    with pytest.raises(worker_module.PastDeadline, match="not sent"):
+        late.future.result(timeout=10)
+    assert late.settled()
+
+
+def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypatch):
+    """vLLM reuses a preempted request's blocks once handle_preemptions returns. The fence waits for
+    its stores: one that failed without the daemon being done with it until its deadline and the
+    grace have passed, one with no answer at all (the link thread stuck) no longer than that; a
+    finished request's stores are released on the same terms."""
+    monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
+    worker, _ = transfers(link, seed=4)
+    worker.delay_frees = True
+    stuck = threading.Event()
+    started = time.monotonic()
+    worker._device_stores["broken"] = [device_call(link, 0.5, BROKEN)]  # held until 1.0 s
+    worker._device_stores["stuck"] = [device_call(link, 1.5, gate=stuck)]  # held until 2.0 s at most
+    worker.fence({"broken"})
+    assert 0.9 <= time.monotonic() - started < 1.9
+    assert worker.finished_stores({"stuck"}) == set()  # not yet past its hold, even with no answer
+    wait(lambda: worker.finished_stores(set()) == {"stuck"}, timeout=5)
+    assert time.monotonic() - started >= 1.9
+    stuck.set()
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):

@@ -30,11 +30,13 @@ CUDA_ANSWER_GRACE_S = 5.0
 _LOCAL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-def answered_by_daemon(exc: BaseException) -> bool:
-    """Whether `exc` is a status the daemon sent (for a cuda_ipc call: only once its copies were
-    over), rather than a failure here (a timeout, a broken connection) that says nothing about them."""
+def daemon_done_with(exc: BaseException) -> bool:
+    """Whether, after a call failed with `exc`, the daemon can no longer be working on it: it sent
+    this status (for a cuda_ipc call only once its copies were over), or never got the request.
+    False for a failure here (a timeout, a broken connection) that says nothing about its copies;
+    over gRPC, for the codes such failures take."""
     if isinstance(exc, DataSocketError):
-        return exc.answered
+        return exc.answered or not exc.sent
     return isinstance(exc, grpc.RpcError) and exc.code() not in _LOCAL_CODES
 
 

@@ -49,12 +49,13 @@ def data_socket_path(grpc_address: str, name: str) -> Path | None:
 
 class DataSocketError(grpc.RpcError):
     """A failed call, shaped like grpc's errors: `code()` and `details()`. `answered`: the daemon sent
-    this status (False: the call failed here, e.g. a timeout, and its outcome is unknown)."""
+    this status (False: the call failed here, e.g. a timeout). `sent`: the whole request went out
+    (False: the daemon cannot have received it)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, answered: bool = True) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, answered: bool = True, sent: bool = True) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
-        self.answered = answered
+        self.answered, self.sent = answered, sent
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -77,18 +78,21 @@ class DataSocket:
     def call(self, method: str, request, timeout: float | None = None):
         """The response to `request` (waited for up to `timeout`, default the client's); raises
         DataSocketError with the daemon's status on failure."""
-        connection = self._connection()
         name = method.encode()
         payload = request.SerializeToString()
+        connection, sent = None, False
         try:
+            connection = self._connection()
             connection.settimeout(self.timeout if timeout is None else timeout)
             connection.sendall(b"".join((REQUEST_HEADER.pack(len(payload), len(name)), name, payload)))
+            sent = True
             length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size))
             body = _receive(connection, length)
         except OSError as exc:  # a timeout included: the connection's framing is lost, so drop it
-            self._drop(connection)
+            if connection is not None:
+                self._drop(connection)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
-            raise DataSocketError(code, f"data socket {self.path}: {exc}", answered=False) from None
+            raise DataSocketError(code, f"data socket {self.path}: {exc}", answered=False, sent=sent) from None
         if status:
             raise DataSocketError(STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return MESSAGES[method][1].FromString(body)

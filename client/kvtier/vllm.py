@@ -24,7 +24,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.client import CUDA_ANSWER_GRACE_S
 from kvtier.engine.jobs import StepPlan
 from kvtier.engine.kv_blocks import LayerMajorKV
 from kvtier.engine.link import DaemonLink
@@ -303,7 +302,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Preempted requests' blocks are reused next: let the daemon finish reading them first."""
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._transfers is not None and plan is not None and plan.preempted:
-            self._transfers.fence(set(plan.preempted), self.config.timeout_s + CUDA_ANSWER_GRACE_S + 1.0)
+            self._transfers.fence(set(plan.preempted))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous

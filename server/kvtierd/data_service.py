@@ -244,6 +244,9 @@ class DataService(pb_grpc.KVTierServicer):
                 if answer_now is not None and not bad.any():
                     answer_now(response)  # the moment the bytes are seen in place
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
+            late_ms = (time.monotonic_ns() - target.deadline_ns) / 1e6
+            if target.deadline_ns and late_ms > 0:  # (the engine waits a while longer; it should not happen)
+                log.warning("cuda_ipc load seen done after its deadline", extra={"session": session_id, "late_ms": late_ms})
             if bad.any():
                 self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
                 self._drop_corrupt(ns, [block.hash for block, failed in zip(lease.blocks, bad.tolist(), strict=True) if failed])

@@ -13,10 +13,10 @@ is done. No thread wakes up and no lock changes hands between the last byte and 
 goes on the moment the copy is seen done (a load answers from there); the cost is the loop
 spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
 milliseconds) until it is seen done.
-A store's copy is enqueued once the engine's ready event has completed, which the loop checks
-every READY_POLL_S (the engine's stream never waits for a store, and no lane, shared by every
-engine on the GPU, waits for one engine's forward); loads return only when the bytes are in the
-engine's memory. A copy whose launch fails
+A store's copy is enqueued once the engine's ready event, as recorded when the call arrived, has
+completed (`_engine_ready`): the engine's stream never waits for a store, and no copy lane (shared
+by every engine on the GPU) waits for one engine's forward. Loads return only when the bytes are in
+the engine's memory. A copy whose launch fails
 after part of it went to the GPU (gpu_copy's LaunchFailed) is watched the same way until that part
 has landed, and only then does its error go up (and its pages go free). When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -51,11 +51,10 @@ LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before
 POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
 FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
-READY_POLL_S = 0.0005  # how often a store checks whether its engine's forward (the ready event) is done
 MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
 MAX_ENGINE_CLOCK_AHEAD_NS = 1_000_000_000  # an engine clock further ahead of ours makes its deadlines late
-MAX_ENGINE_CLOCK_BEHIND_NS = 60_000_000_000  # one further behind (beyond any Register's transit): every copy refused
+MAX_ENGINE_CLOCK_BEHIND_NS = 5_000_000_000  # one further behind (beyond a Register's transit): its copies refused
 
 
 @dataclass
@@ -68,6 +67,7 @@ class CudaRegistration:
     layout: object  # gpu_copy.GpuLayout over the storages
     num_blocks: int
     ready_event: object  # torch.cuda.Event opened from the engine's handle
+    gate: object = None  # torch.cuda.ExternalStream of its own, on which stores wait for the ready event
     in_flight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -119,6 +119,7 @@ class GpuTransfers:
             if device_index not in self._lanes:  # (before the registration is kept: this may fail too)
                 lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
                 self._lanes[device_index] = itertools.cycle(lanes)
+            gate = _own_stream(torch, device_index)
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
@@ -128,6 +129,7 @@ class GpuTransfers:
             layout=layout,
             num_blocks=cache.num_blocks,
             ready_event=ready,
+            gate=gate,
         )
         for earlier in [r for r in self._registrations.values() if (r.session_id, r.namespace_id) == (session_id, namespace_id)]:
             self._retire(earlier)  # a session re-registering a namespace does not pile up mappings
@@ -228,6 +230,9 @@ class GpuTransfers:
         self._registrations.pop(registration.id, None)
         registration.storages.clear()
         registration.ready_event = None
+        if registration.gate is not None:
+            _cuda_driver().cuStreamDestroy_v2(ctypes.c_void_p(registration.gate.cuda_stream))
+            registration.gate = None
         registration.closed.set()
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 
@@ -282,14 +287,25 @@ class LinkClock:
 
 
 async def _engine_ready(registration: CudaRegistration, deadline_ns: int) -> None:
-    """Wait until the engine's ready event (recorded after the forward that wrote the blocks, or a
-    later one) has completed; the copy then needs no GPU-side wait on the shared lane."""
-    while not registration.ready_event.query():
+    """Wait until the engine's ready event, as recorded when the call arrived (after the forward that
+    wrote the blocks, or a later one), has completed; the copy then needs no wait on its lane. When
+    its latest record is not done yet, the registration's own stream waits for that record and a
+    local event marks it, checked every SLOW_POLL_S: the engine's event itself may be recorded again
+    meanwhile (with async scheduling vLLM records the next step's before this one's is done), and
+    checking its latest record could then wait for ever."""
+    if registration.ready_event.query():
+        return
+    import torch  # noqa: PLC0415 (loaded: the registration is open)
+
+    passed = torch.cuda.Event()
+    registration.gate.wait_event(registration.ready_event)
+    passed.record(registration.gate)
+    while not passed.query():
         if registration.closing:
             raise FailedPrecondition("the engine's session ended before its blocks were ready; nothing was copied")
         if deadline_ns and time.monotonic_ns() > deadline_ns:
             raise DeadlineExceeded("the engine's blocks were not ready by the call's deadline; nothing was copied")
-        await asyncio.sleep(READY_POLL_S)
+        await asyncio.sleep(SLOW_POLL_S)
 
 
 async def _landed(launched, expected_end: float) -> None:
@@ -376,16 +392,28 @@ def _device_by_uuid(torch, device_uuid: str) -> int:
 def _cuda_driver() -> ctypes.CDLL:
     driver = ctypes.CDLL("libcuda.so.1")
     driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    driver.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    driver.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
     return driver
 
 
-def _mapped_bytes(pointer: int) -> int:
-    """Bytes from `pointer` to the end of the GPU allocation it lies in (in the current context)."""
+def _allocation_range(pointer: int) -> tuple[int, int]:
+    """(base, size) of the GPU allocation `pointer` lies in (in the current context)."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     status = _cuda_driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer)
     if status != 0:
-        raise FailedPrecondition(f"cuMemGetAddressRange failed with CUresult {status} for an opened allocation")
-    return base.value + size.value - pointer
+        raise InvalidArgument(f"an opened allocation's address is not mapped (cuMemGetAddressRange: CUresult {status})")
+    return base.value, size.value
+
+
+def _own_stream(torch, device_index: int):
+    """A stream no one else uses (torch's streams come from a pool of 32 shared in turn: a wait on
+    one could hold up a copy lane), in the device's current context."""
+    handle = ctypes.c_void_p()
+    status = _cuda_driver().cuStreamCreate(ctypes.byref(handle), 1)  # CU_STREAM_NON_BLOCKING
+    if status != 0:
+        raise FailedPrecondition(f"cuStreamCreate failed with CUresult {status}")
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device_index))
 
 
 def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, object]:
@@ -397,11 +425,13 @@ def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, 
             ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event)
         except RuntimeError as exc:
             raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
-        for index, storage in enumerate(storages):
-            mapped = _mapped_bytes(storage.data_ptr())
-            if storage.nbytes() > mapped:
-                claim = f"allocation {index} claims {storage.nbytes()} bytes"
-                raise InvalidArgument(f"{claim}; the memory its handle opens has {mapped}")
+        for index, (storage, allocation) in enumerate(zip(storages, cache.allocations, strict=True)):
+            base, size = _allocation_range(storage.data_ptr())
+            claim = f"allocation {index} claims {storage.nbytes()} bytes at offset {allocation.offset}"
+            if base != storage.data_ptr() - allocation.offset:  # the offset led into other memory
+                raise InvalidArgument(f"{claim}, outside the memory its handle opens")
+            if allocation.offset + storage.nbytes() > size:
+                raise InvalidArgument(f"{claim}; the memory its handle opens has {size}")
     return storages, ready
 
 

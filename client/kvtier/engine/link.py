@@ -83,7 +83,9 @@ class DaemonLink:
             return call(client, namespace)
         except grpc.RpcError as exc:
             code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            answered = getattr(exc, "answered", False)  # (the data socket's: a copy refused for its deadline)
+            lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not answered
+            if lost or code == grpc.StatusCode.UNAUTHENTICATED:
                 self._drop(f"{code.name}: {exc.details()}")
             raise DaemonUnavailable(f"{code.name}: {exc.details()}") from None
         except (OSError, ValueError) as exc:

@@ -7,10 +7,10 @@ Two transports, chosen per daemon connection:
   engine's stream never waits for a store. The blocks must not be reused before the daemon copied
   them: a finished request's blocks are freed only once its stores are done (vLLM's
   finished_sending), and a preempted request's stores are awaited before its blocks are reused.
-  "Done" means the daemon answered, or the call's deadline (and CUDA_ANSWER_GRACE_S) has passed: a
-  call that failed here (a timeout, a broken connection) may still have a copy under way in the
-  daemon, so its blocks stay held until then (`DeviceCall`); the daemon starts no copy that cannot
-  end by the deadline.
+  "Done" means the daemon answered, or the call's deadline (fixed when it is submitted) and
+  CUDA_ANSWER_GRACE_S have passed: a call that failed here after its request went out (a timeout, a
+  broken connection) may still have a copy under way in the daemon, so its blocks stay held until
+  then (`DeviceCall`); the daemon starts no copy that cannot end by the deadline.
 - shm (CPU caches, or a daemon that refused cuda_ipc): the engine copies. Loads pin the blocks, copy
   them out of the mapped pool into the engine's blocks, verify their checksums and release. A GPU
   cache copies with the daemon's kernel (GpuKV), ordered and delayed like cuda_ipc. A CPU cache's
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kvtier import checksum
-from kvtier.client import CUDA_ANSWER_GRACE_S, KVTierClient, answered_by_daemon
+from kvtier.client import CUDA_ANSWER_GRACE_S, KVTierClient, daemon_done_with
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.kv_blocks import LayerMajorKV
 
@@ -70,27 +70,49 @@ class LoadFailed(Exception):
     pass
 
 
+class PastDeadline(Exception):
+    """A copy call's deadline passed before it could start, or before the engine's own copy ended."""
+
+
 @dataclass
 class DeviceCall:
-    """A call that may have the daemon copy to or from the engine's blocks (cuda_ipc), and how long
-    it holds them: until it ends, and when it failed without the daemon's answer, until its
-    deadline and CUDA_ANSWER_GRACE_S have passed (a copy the daemon started may land until then)."""
+    """A call during which the engine's blocks may be copied (by the daemon with cuda_ipc, or by the
+    engine's own side stream with shm), and how long it holds them. Its deadline is fixed when it is
+    submitted; it is not sent after it, and the daemon starts no copy that cannot end by it. The call
+    holds the blocks until it has ended and, when it failed without the daemon being done with it
+    (a timeout, a broken connection), until its deadline and CUDA_ANSWER_GRACE_S have passed (a
+    copy the daemon started may land until then)."""
 
+    deadline_ns: int
     future: Future | None = None
-    held_until_ns: int = 0
+    _held_until_ns: int = 0
 
-    def run(self, client: KVTierClient, call: Callable[[int], T]) -> T:
-        """On the link thread: `call(deadline_ns)`."""
-        deadline_ns = client.cuda_deadline_ns()
+    @classmethod
+    def due_in(cls, seconds: float) -> DeviceCall:
+        return cls(time.monotonic_ns() + int(seconds * 1e9))
+
+    @property
+    def hold_end_ns(self) -> int:
+        """The latest the blocks can be held."""
+        return self.deadline_ns + int(CUDA_ANSWER_GRACE_S * 1e9)
+
+    def run(self, call: Callable[[int], T]) -> T:
+        """On the link thread: `call(deadline_ns)`, unless the deadline has passed."""
+        if time.monotonic_ns() >= self.deadline_ns:
+            raise PastDeadline("not sent: its deadline passed while it waited for the link")
         try:
-            return call(deadline_ns)
+            return call(self.deadline_ns)
         except BaseException as exc:
-            if not answered_by_daemon(exc):
-                self.held_until_ns = deadline_ns + int(CUDA_ANSWER_GRACE_S * 1e9)
+            if not daemon_done_with(exc):
+                self._held_until_ns = self.hold_end_ns
             raise
 
+    def held_until_ns(self) -> int:
+        return self._held_until_ns if self.future.done() else self.hold_end_ns
+
     def settled(self) -> bool:
-        return self.future.done() and time.monotonic_ns() >= self.held_until_ns
+        """It holds the blocks no more (an unanswered call past its hold is given up)."""
+        return time.monotonic_ns() >= self.held_until_ns()
 
 
 @dataclass(frozen=True)
@@ -155,7 +177,7 @@ class BlockTransfers:
     def start_loads(self, jobs: list[LoadJob]) -> None:
         """Every job gets a Future, so every waiting request is answered (loaded or failed)."""
         for job in jobs:
-            call = DeviceCall()
+            call = DeviceCall.due_in(self.link.timeout)
             try:
                 if self._disabled or self.kv is None:
                     raise LoadFailed(self._disabled or "no KV cache registered")
@@ -172,7 +194,7 @@ class BlockTransfers:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         if ns.cuda_registration:
-            loaded = call.run(client, lambda deadline_ns: client.load_cuda(ns, job.block_ids, job.hashes, 0, deadline_ns))
+            loaded = call.run(lambda deadline_ns: client.load_cuda(ns, job.block_ids, job.hashes, 0, deadline_ns))
             if loaded < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
             return loaded * ns.block_bytes
@@ -210,6 +232,8 @@ class BlockTransfers:
             del self._loads[req_id]
             finished.add(req_id)
             try:
+                if not call.future.done():  # (if it is ever sent, the daemon refuses it: past its deadline)
+                    raise LoadFailed("no answer by its deadline")
                 loaded = call.future.result()
                 if isinstance(loaded, _Pinned):
                     loaded = self._copy_pinned(job, loaded)
@@ -241,7 +265,7 @@ class BlockTransfers:
                     self.stats.store_skipped_blocks += len(block_ids)
                     return
                 self._pending_gpu_stores += 1
-            call = DeviceCall()
+            call = DeviceCall.due_in(self.link.timeout)
             try:
                 self._gpu_kv.record_ready()
                 call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, call))
@@ -267,13 +291,18 @@ class BlockTransfers:
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], call: DeviceCall
     ) -> int:
         if ns.cuda_registration:
-            return call.run(client, lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns))
+            return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns))
 
-        def write(reservation: Reservation) -> np.ndarray:
+        def write(reservation: Reservation) -> np.ndarray:  # as the daemon does: nothing read past the deadline
             chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
-            return self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
+            if time.monotonic_ns() >= call.deadline_ns:
+                raise PastDeadline("not copied: the store's deadline passed")
+            sums = self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
+            if time.monotonic_ns() > call.deadline_ns:
+                raise PastDeadline("not committed: the copy ended after the store's deadline")
+            return sums
 
-        return _reserve_write_commit(client, ns, hashes, write)
+        return call.run(lambda deadline_ns: _reserve_write_commit(client, ns, hashes, write))
 
     def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], layers: list[np.ndarray]) -> int:
         def write(reservation: Reservation) -> np.ndarray:
@@ -308,19 +337,20 @@ class BlockTransfers:
         self._finishing -= done
         return done
 
-    def fence(self, req_ids: set[str], timeout: float) -> None:
+    def fence(self, req_ids: set[str]) -> None:
         """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
-        dropped, and the ones under way are awaited, up to `timeout` (each is settled by its deadline
-        and CUDA_ANSWER_GRACE_S; the daemon commits nothing it saw copied after the deadline)."""
+        dropped, and the ones under way are awaited until they hold the blocks no more (at the latest
+        their deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline)."""
         calls = [call for r in req_ids for call in self._device_stores.pop(r, [])]
         self._finishing -= req_ids
         under_way = [call for call in calls if not call.future.cancel()]  # cancel() works for calls still queued
-        ends = time.monotonic() + timeout
-        if under_way:
-            wait_futures([call.future for call in under_way], timeout=timeout)
-        held_ns = max((call.held_until_ns for call in under_way), default=0) - time.monotonic_ns()
+        if not under_way:
+            return
+        latest_ns = max(call.hold_end_ns for call in under_way)
+        wait_futures([call.future for call in under_way], timeout=max(0.0, (latest_ns - time.monotonic_ns()) / 1e9))
+        held_ns = max(call.held_until_ns() for call in under_way) - time.monotonic_ns()
         if held_ns > 0:
-            time.sleep(min(held_ns / 1e9, max(0.0, ends - time.monotonic())))
+            time.sleep(held_ns / 1e9)
 
     def take_stats(self) -> WorkerStats:
         with self._lock:
