@@ -228,6 +228,19 @@ def registered_cache(client: KVTierClient, layout: str = "BLHNC"):
     return buffer, kv, ns
 
 
+def slow_forward(kv, seed: int, gpu_cycles: int) -> torch.Tensor:
+    """As a forward that runs `gpu_cycles` and then writes seeded data into blocks 0-7, queued on the
+    compute stream (not waited for) and followed by the ready event; the [8, block_bytes] data."""
+    data = seeded_blocks(Geometry(**GEOMETRY), seed, 8)
+    torch.cuda._sleep(gpu_cycles)
+    start = 0
+    for run in kv.runs:
+        run.rows[:8] = data[:, start : start + run.run.size]
+        start += run.run.size
+    kv.record_ready()
+    return data
+
+
 @gpu
 def test_an_allocation_claiming_more_than_its_memory_is_refused(start_daemon):
     """The daemon's copies go by the sizes a registration claims. A claim past the memory the IPC
@@ -333,13 +346,7 @@ def test_a_store_waiting_for_its_engines_forward_holds_up_no_other_engines_copie
         _, _, b_ns = registered_cache(b_client)
         b_hashes = block_hashes(6, 8)
         assert b_client.store(b_ns, b_hashes, seeded_blocks(geometry, 6, 8).cpu().numpy()) == 8
-        forward = seeded_blocks(geometry, 9, 8)
-        torch.cuda._sleep(3_000_000_000)  # engine A's forward: about 1.5 s, then it writes blocks 0-7
-        start = 0
-        for run in a.runs:
-            run.rows[:8] = forward[:, start : start + run.run.size]
-            start += run.run.size
-        a.record_ready()
+        forward = slow_forward(a, 9, gpu_cycles=3_000_000_000)  # engine A's: about 1.5 s
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             store = pool.submit(a_client.store_cuda, a_ns, block_hashes(9, 8), list(range(8)))
             times = []
@@ -360,16 +367,9 @@ def test_a_store_waits_for_the_forward_it_follows_not_for_later_ones(start_daemo
     step's forward is done, step after step. A store waits for the record current when it arrived;
     under steady load the latest record is never done, so waiting for that would hold it for ever."""
     daemon = start_daemon("--pool-size", "256MiB")
-    geometry = Geometry(**GEOMETRY)
     with KVTierClient(daemon.address, timeout=30) as client:
         _, kv, ns = registered_cache(client)
-        forward = seeded_blocks(geometry, 11, 8)
-        torch.cuda._sleep(2_000_000_000)  # this step's forward: about a second, then it writes blocks 0-7
-        start = 0
-        for run in kv.runs:
-            run.rows[:8] = forward[:, start : start + run.run.size]
-            start += run.run.size
-        kv.record_ready()
+        forward = slow_forward(kv, 11, gpu_cycles=2_000_000_000)  # this step's: about a second
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             store = pool.submit(client.store_cuda, ns, block_hashes(11, 8), list(range(8)))
             started = time.monotonic()
