@@ -204,6 +204,8 @@ class BlockTransfers:
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
+            if time.monotonic_ns() >= call.deadline_ns:  # reported failed by then, its blocks maybe reused
+                raise PastDeadline("not copied: the load's deadline passed")
             copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
         finally:
             if result.lease_id:
