@@ -260,8 +260,8 @@ def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
 
 
 def device_call(link, due_in: float, outcome: Exception | None = None, gate: threading.Event | None = None) -> DeviceCall:
-    """A copy call on the link thread (as the worker makes them) that ends with `outcome` (raised) or
-    succeeds, once `gate` (if any) is set; it checks the deadline it is handed."""
+    """A cuda_ipc copy call on the link thread (as the worker makes them) that ends with `outcome`
+    (raised) or succeeds, once `gate` (if any) is set; it checks the deadline it is handed."""
     call = DeviceCall.due_in(due_in)
 
     def copy(deadline_ns: int) -> int:
@@ -272,7 +272,7 @@ def device_call(link, due_in: float, outcome: Exception | None = None, gate: thr
             raise outcome
         return 1
 
-    call.future = link.submit(lambda client, ns: call.run(copy))
+    call.future = link.submit(lambda client, ns: call.run(copy, daemon_copies=True))
     return call
 
 
@@ -289,14 +289,17 @@ def test_a_copy_call_failing_without_the_daemon_being_done_holds_its_blocks_past
     its copies are over), a request that never went out, and a success are reported at once."""
     monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
     worker, _ = transfers(link, seed=3)
-    started = time.monotonic()
+    link.submit(lambda client, ns: None).result(timeout=10)  # connected
+    calls = {}
     for req_id, outcome in [("broken", BROKEN), ("refused", REFUSED), ("never-sent", NEVER_SENT), ("loaded", None)]:
-        worker._loads[req_id] = LoadJob(req_id, [0], chain_hashes(req_id, 1)), device_call(link, 0.5, outcome)
-    link.submit(lambda client, ns: None).result(timeout=10)  # all four have ended
+        calls[req_id] = device_call(link, 3.0, outcome)
+        worker._loads[req_id] = LoadJob(req_id, [0], chain_hashes(req_id, 1)), calls[req_id]
+    for call in calls.values():
+        wait(call.future.done)
     finished, failed = worker.finished_loads()
     assert finished == {"refused", "never-sent", "loaded"} and failed == {"refused", "never-sent"}
     finished, failed = drain_loads(worker)
-    assert finished == failed == {"broken"} and time.monotonic() - started >= 1.0
+    assert finished == failed == {"broken"} and time.monotonic_ns() >= calls["broken"].hold_end_ns
 
 
 def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
@@ -315,21 +318,24 @@ def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
 def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypatch):
     """vLLM reuses a preempted request's blocks once handle_preemptions returns. The fence waits for
     its stores: one that failed without the daemon being done with it until its deadline and the
-    grace have passed, one with no answer at all (the link thread stuck) no longer than that; a
-    finished request's stores are released on the same terms."""
+    grace have passed. A finished request's store with no answer at all (the link thread stuck)
+    holds its blocks no longer than that either."""
     monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
     worker, _ = transfers(link, seed=4)
     worker.delay_frees = True
-    stuck = threading.Event()
-    started = time.monotonic()
-    worker._device_stores["broken"] = [device_call(link, 0.5, BROKEN)]  # held until 1.0 s
-    worker._device_stores["stuck"] = [device_call(link, 1.5, gate=stuck)]  # held until 2.0 s at most
+    link.submit(lambda client, ns: None).result(timeout=10)  # connected
+    broken = device_call(link, 2.0, BROKEN)
+    wait(broken.future.done)  # failed, and held until 2.5 s
+    stuck_gate = threading.Event()
+    stuck = device_call(link, 3.0, gate=stuck_gate)  # held until 3.5 s at most
+    worker._device_stores["broken"] = [broken]
+    worker._device_stores["stuck"] = [stuck]
     worker.fence({"broken"})
-    assert 0.9 <= time.monotonic() - started < 1.9
+    assert broken.hold_end_ns <= time.monotonic_ns() < stuck.hold_end_ns
     assert worker.finished_stores({"stuck"}) == set()  # not yet past its hold, even with no answer
-    wait(lambda: worker.finished_stores(set()) == {"stuck"}, timeout=5)
-    assert time.monotonic() - started >= 1.9
-    stuck.set()
+    wait(lambda: worker.finished_stores(set()) == {"stuck"}, timeout=10)
+    assert time.monotonic_ns() >= stuck.hold_end_ns
+    stuck_gate.set()
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):

@@ -23,9 +23,10 @@ log = logging.getLogger("kvtier.client")
 
 DEFAULT_TIMEOUT = 5.0
 MAX_MESSAGE_BYTES = 256 << 20
-# A cuda_ipc call's deadline is its start plus the client's timeout. The daemon starts no copy that
-# cannot end by then, but one it started may end a little later (a busier GPU than it expected, an
-# engine clock up to 1 s ahead of its own): the client waits this much longer for the answer.
+# A cuda_ipc call's deadline is by default its start plus the client's timeout (the connector fixes
+# it when it submits the call). The daemon starts no copy that cannot end by then, but one it started
+# may end a little later (a busier GPU than it expected, an engine clock up to 1 s ahead of its own):
+# the client waits this much longer for the answer.
 CUDA_ANSWER_GRACE_S = 5.0
 _LOCAL_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 

@@ -85,7 +85,8 @@ class GpuTransfers:
     kernel_error: str = ""  # why the copy kernel failed to compile at start-up (cuda_ipc is then refused)
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
     _clock: LinkClock = field(default_factory=lambda: LinkClock())
-    _lanes: dict[int, itertools.cycle] = field(default_factory=dict)  # per GPU: gpu_copy.CopyLane, in turn
+    _lanes: dict[int, list] = field(default_factory=dict)  # per GPU: its gpu_copy.CopyLanes
+    _next_lane: dict[int, itertools.cycle] = field(default_factory=dict)  # per GPU: its lanes, in turn
 
     # ------------------------------------------------------------------ registration
 
@@ -118,7 +119,8 @@ class GpuTransfers:
             layout = GpuLayout.on(template, bases, self.page_size, torch.device("cuda", device_index))
             if device_index not in self._lanes:  # (before the registration is kept: this may fail too)
                 lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
-                self._lanes[device_index] = itertools.cycle(lanes)
+                self._lanes[device_index] = lanes
+                self._next_lane[device_index] = itertools.cycle(lanes)
             gate = _own_stream(torch, device_index)
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
@@ -183,7 +185,7 @@ class GpuTransfers:
         try:
             if to_pool:
                 await _engine_ready(registration, deadline_ns)
-            lane = next(self._lanes[registration.device_index])
+            lane = next(self._next_lane[registration.device_index])
             now = asyncio.get_running_loop().time()
             end = self._clock.expected_end(now, lane, to_pool, len(block_ids) * registration.layout.block_bytes)
             if deadline_ns and time.monotonic_ns() + (end - now) * 1e9 > deadline_ns:
@@ -253,11 +255,12 @@ class GpuTransfers:
             log.error("cuda_ipc unavailable: the copy kernel did not compile", extra={"reason": self.kernel_error})
 
     def close(self) -> None:
-        if self._lanes:  # copies whose callers went with the event loop land before the mappings go
-            import torch  # noqa: PLC0415
-
-            for device_index in self._lanes:
-                torch.cuda.synchronize(device_index)
+        """Copies whose callers went with the event loop land before the mappings go. Only the lanes
+        are waited for: a registration's gate stream may still wait for a forward of a hung engine."""
+        for lanes in self._lanes.values():
+            for lane in lanes:
+                lane.dma.synchronize()
+                lane.kernel.synchronize()
         for registration in list(self._registrations.values()):
             self._close(registration)
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -96,14 +97,16 @@ class DeviceCall:
         """The latest the blocks can be held."""
         return self.deadline_ns + int(CUDA_ANSWER_GRACE_S * 1e9)
 
-    def run(self, call: Callable[[int], T]) -> T:
-        """On the link thread: `call(deadline_ns)`, unless the deadline has passed."""
+    def run(self, call: Callable[[int], T], daemon_copies: bool) -> T:
+        """On the link thread: `call(deadline_ns)`, unless the deadline has passed. `daemon_copies`:
+        the daemon copies the blocks (cuda_ipc), so a failure here may leave a copy of its under way;
+        otherwise (the engine copies, on this thread) nothing touches them once the call has ended."""
         if time.monotonic_ns() >= self.deadline_ns:
             raise PastDeadline("not sent: its deadline passed while it waited for the link")
         try:
             return call(self.deadline_ns)
         except BaseException as exc:
-            if not daemon_done_with(exc):
+            if daemon_copies and not daemon_done_with(exc):
                 self._held_until_ns = self.hold_end_ns
             raise
 
@@ -194,17 +197,24 @@ class BlockTransfers:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
         if ns.cuda_registration:
-            loaded = call.run(lambda deadline_ns: client.load_cuda(ns, job.block_ids, job.hashes, 0, deadline_ns))
+            loaded = call.run(partial(client.load_cuda, ns, job.block_ids, job.hashes, 0), daemon_copies=True)
             if loaded < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
             return loaded * ns.block_bytes
+        return call.run(lambda deadline_ns: self._load_from_pool(client, ns, job, deadline_ns), daemon_copies=False)
+
+    def _load_from_pool(self, client: KVTierClient, ns: Namespace, job: LoadJob, deadline_ns: int) -> int | _Pinned:
+        """Pin the blocks; a GPU cache copies them here, a CPU cache on the engine's thread. Nothing is
+        copied or handed on past the deadline (by its grace after it the load is given up, and its
+        blocks may be reused)."""
         result = client.lookup(ns, job.hashes, pin=True)
-        if result.hit_count == len(job.hashes) and self._gpu_kv is None:
+        past_deadline = time.monotonic_ns() >= deadline_ns
+        if result.hit_count == len(job.hashes) and self._gpu_kv is None and not past_deadline:
             return _Pinned(result, client.state.pool().view)  # released once the engine thread copied
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
-            if time.monotonic_ns() >= call.deadline_ns:  # reported failed by then, its blocks maybe reused
+            if past_deadline:
                 raise PastDeadline("not copied: the load's deadline passed")
             copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
         finally:
@@ -234,7 +244,7 @@ class BlockTransfers:
             del self._loads[req_id]
             finished.add(req_id)
             try:
-                if not call.future.done():  # (if it is ever sent, the daemon refuses it: past its deadline)
+                if not call.future.done():  # (should it run later, it copies nothing: past its deadline)
                     raise LoadFailed("no answer by its deadline")
                 loaded = call.future.result()
                 if isinstance(loaded, _Pinned):
@@ -293,7 +303,7 @@ class BlockTransfers:
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], call: DeviceCall
     ) -> int:
         if ns.cuda_registration:
-            return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns))
+            return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns), daemon_copies=True)
 
         def write(reservation: Reservation) -> np.ndarray:  # as the daemon does: nothing read past the deadline
             chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
@@ -304,7 +314,7 @@ class BlockTransfers:
                 raise PastDeadline("not committed: the copy ended after the store's deadline")
             return sums
 
-        return call.run(lambda deadline_ns: _reserve_write_commit(client, ns, hashes, write))
+        return call.run(lambda deadline_ns: _reserve_write_commit(client, ns, hashes, write), daemon_copies=False)
 
     def _store(self, client: KVTierClient, ns: Namespace, hashes: list[bytes], layers: list[np.ndarray]) -> int:
         def write(reservation: Reservation) -> np.ndarray:
