@@ -180,7 +180,7 @@ class BlockTransfers:
     def start_loads(self, jobs: list[LoadJob]) -> None:
         """Every job gets a Future, so every waiting request is answered (loaded or failed)."""
         for job in jobs:
-            call = DeviceCall.due_in(self.link.timeout)
+            call = DeviceCall.due_in(self.load_delay_s + self.link.timeout)  # (the test delay comes first)
             try:
                 if self._disabled or self.kv is None:
                     raise LoadFailed(self._disabled or "no KV cache registered")
