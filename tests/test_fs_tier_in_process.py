@@ -164,6 +164,26 @@ def test_a_directory_that_only_loses_a_file_is_fsynced_before_the_next_index_fil
     run_with_tiers(tmp_path, body)
 
 
+def test_file_jobs_started_after_the_tier_closed_fail_instead_of_hanging(tmp_path):
+    """While the daemon stops, a call still running may reach the tier after it closed (its threads
+    shut down): a promotion then ends as a miss, and a write queued behind a removal fails, instead
+    of leaving their callers (and every later lookup of those blocks) waiting for good."""
+    a, b, c, d, e = chain_hashes("closed", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
+        await t.fs.close(timeout=5)
+        await asyncio.wait_for(t.fs.promote(t.ns, [a]), timeout=5)
+        assert a not in t.ns.blocks and not t.fs._promotions and not t.ns.pending
+        removal = asyncio.get_running_loop().create_future()
+        later = t.fs._run_after(removal, os.getpid)
+        removal.set_result(None)
+        with pytest.raises(RuntimeError):
+            await asyncio.wait_for(later, timeout=5)
+
+    run_with_tiers(tmp_path, body)
+
+
 def test_a_promotion_whose_caller_is_cancelled_still_ends_and_lets_go_of_its_pages(tmp_path):
     """A caller's deadline cancels it while its blocks are read from disk (a slow disk): the reads
     still end, and the block is committed to the pool; nothing stays reserved or awaited for good

@@ -84,6 +84,10 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 Key = tuple[str, bytes]
 
 
+class TierClosed(RuntimeError):
+    """A file job started after the tier closed (the daemon is stopping): it fails at once."""
+
+
 @dataclass(frozen=True)
 class FsSettings:
     root: Path
@@ -240,7 +244,7 @@ class FsTier:
                 self._unsynced |= unsynced
                 raise
             await self._run(write_index_file, self.root, mtimes, hashes, fanout_of)
-        except OSError as exc:
+        except (OSError, TierClosed) as exc:
             log.warning("cannot write the fs index file", extra={"reason": str(exc)})
             return
         self._saved_changes = changes
@@ -334,6 +338,8 @@ class FsTier:
 
     def _read_failed(self, ns: Namespace, block_hash: bytes, exc: BaseException) -> None:
         """A file that cannot serve its block leaves the index; a corrupt one is also deleted."""
+        if isinstance(exc, TierClosed):  # (the file is as good as before)
+            return
         entry = self.index.get(ns.id, block_hash)
         if entry is not None:
             self.index.remove(entry)
@@ -480,6 +486,9 @@ class FsTier:
         self._unsynced.add(self._path_of(ns.id, job.hash).parent)
 
     def _write_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, TierClosed):
+            log.info("fs tier closed; a block was not written")
+            return
         self.health.write_errors += 1
         if not isinstance(exc, OSError):
             log.error("fs block write failed", exc_info=exc)
@@ -604,7 +613,13 @@ class FsTier:
         return later
 
     def _run(self, function, *args, executor: ThreadPoolExecutor | None = None) -> asyncio.Future:
-        future = asyncio.get_running_loop().run_in_executor(executor or self.executor, function, *args)
+        """The job on an I/O thread; after the tier closed, a future failed with TierClosed."""
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(executor or self.executor, function, *args)
+        except RuntimeError:  # its threads are shut down
+            future = loop.create_future()
+            future.set_exception(TierClosed("the fs tier is closed"))
         self._jobs.add(future)
         future.add_done_callback(self._jobs.discard)
         return future
