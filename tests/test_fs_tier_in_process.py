@@ -61,6 +61,15 @@ class Tiers:
         service = DataService(self.store, self.pool, sessions, None, limits, pb.PoolInfo(), self.fs, None)
         return service, sessions.open(pb.Hello(engine_name="engine"), "peer")
 
+    async def held_promotion(self, block_hash: bytes) -> tuple[threading.Event, asyncio.Future]:
+        """Start a promotion of the block on disk with every I/O thread held (the returned gate lets
+        them go), once it has reserved its pool pages."""
+        gate = hold_io_threads(self.fs)
+        promotion = asyncio.ensure_future(self.fs.promote(self.ns, [block_hash]))
+        while block_hash not in self.ns.pending:
+            await asyncio.sleep(0.001)
+        return gate, promotion
+
     async def settle(self) -> None:
         while self.fs._jobs:
             await asyncio.wait(set(self.fs._jobs))
@@ -122,9 +131,7 @@ def test_a_file_being_read_is_not_written_over_for_another_block(tmp_path):
         await t.put(f, 2)
         link = tmp_path / "a.link"
         link.hardlink_to(t.path(a))
-        gate = hold_io_threads(t.fs)
-        promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))  # its reservation evicts C; C's demotion evicts A
-        await asyncio.sleep(0.05)
+        gate, promotion = await t.held_promotion(a)  # its reservation evicts C; C's demotion evicts A
         assert t.fs.index.get(t.ns.id, a) is None and t.fs.index.inflight_bytes > 0  # A evicted, C's write waiting
         gate.set()
         await promotion
@@ -192,10 +199,7 @@ def test_a_promotion_whose_caller_is_cancelled_still_ends_and_lets_go_of_its_pag
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk
-        gate = hold_io_threads(t.fs)
-        caller = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
-        await asyncio.sleep(0.05)
-        assert a in t.ns.pending  # reserved, its read waiting for a thread
+        gate, caller = await t.held_promotion(a)  # reserved, its read waiting for a thread
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
@@ -217,9 +221,7 @@ def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk
-        gate = hold_io_threads(t.fs)
-        promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
-        await asyncio.sleep(0.05)
+        gate, promotion = await t.held_promotion(a)
         t.store.delete(t.ns, [a])
         assert t.fs.delete(t.ns.id, [a]) == {a}
         gate.set()
