@@ -82,13 +82,11 @@ def through_daemon(address: str, layout: str, rounds: int) -> dict:
             ids = list(range(n))
 
             def store(n=n, ids=ids):
-                kv.record_ready()
-                assert client.store_cuda(ns, block_hashes(next(seed) + 1000 * n, n), ids) == n
+                assert client.store_cuda(ns, block_hashes(next(seed) + 1000 * n, n), ids, kv.record_ready()) == n
 
             result["store_GBps"][n] = n * g.block_bytes / timed(store, rounds) / 1e9
             hashes = block_hashes(-n, n)
-            kv.record_ready()
-            client.store_cuda(ns, hashes, ids)
+            client.store_cuda(ns, hashes, ids, kv.record_ready())
             targets = list(range(g.num_blocks - n, g.num_blocks))
             result["load_GBps"][n] = (
                 n * g.block_bytes / timed(lambda n=n, h=hashes, t=targets: client.load_cuda(ns, t, h), rounds) / 1e9
@@ -96,22 +94,21 @@ def through_daemon(address: str, layout: str, rounds: int) -> dict:
             if n < 64:
                 continue
             lock = threading.Lock()
+            ready = kv.record_ready()
 
-            def store_fresh(caller, n=n, lock=lock):
+            def store_fresh(caller, n=n, lock=lock, ready=ready):
                 with lock:
                     fresh = block_hashes(next(seed) + 1000 * n, n)
-                assert client.store_cuda(ns, fresh, list(range(caller * n, (caller + 1) * n))) == n
+                assert client.store_cuda(ns, fresh, list(range(caller * n, (caller + 1) * n)), ready) == n
 
             def load_again(caller, n=n, h=hashes):
                 assert client.load_cuda(ns, list(range(caller * n, (caller + 1) * n)), h) == n
 
             result["load_sustained_GBps"][n] = sustained_GBps(load_again, n, rounds)  # before stores evict `hashes`
-            kv.record_ready()
             result["store_sustained_GBps"][n] = sustained_GBps(store_fresh, n, rounds)
         prefix = -(-PREFIX_BYTES // g.block_bytes)
         hashes = block_hashes(-99, prefix)
-        kv.record_ready()
-        client.store_cuda(ns, hashes, list(range(prefix)))
+        client.store_cuda(ns, hashes, list(range(prefix)), kv.record_ready())
         load_s = timed(lambda: client.load_cuda(ns, list(range(prefix, 2 * prefix)), hashes), PREFIX_ROUND_FACTOR * rounds)
         result["prefix_blocks"] = prefix
         result["prefix_load_ms"] = load_s * 1000

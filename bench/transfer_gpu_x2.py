@@ -88,7 +88,7 @@ class Rank:
         spec.tp_rank = gpu
         self.ns = self.client.register(spec, self.kv.describe())
         assert self.ns.cuda_registration, self.ns.cuda_refused
-        self.kv.record_ready()
+        self.ready = self.kv.record_ready()  # (nothing writes the blocks: every store names this event)
 
 
 def sustained_aggregate_GBps(ranks: list[Rank], call, n: int, rounds: int) -> float:
@@ -110,7 +110,7 @@ def through_daemon(address: str, rounds: int) -> dict:
         for n in BATCHES:
             stored = block_hashes(-n, n)
             for rank in ranks:
-                assert rank.client.store_cuda(rank.ns, stored, list(range(n))) == n
+                assert rank.client.store_cuda(rank.ns, stored, list(range(n)), rank.ready) == n
 
             def load(rank: Rank, caller: int, n=n, hashes=stored) -> None:
                 assert rank.client.load_cuda(rank.ns, list(range(caller * n, (caller + 1) * n)), hashes) == n
@@ -118,7 +118,7 @@ def through_daemon(address: str, rounds: int) -> dict:
             def store(rank: Rank, caller: int, n=n) -> None:
                 with lock:
                     fresh = block_hashes(next(seed) + 1000 * n, n)
-                assert rank.client.store_cuda(rank.ns, fresh, list(range(caller * n, (caller + 1) * n))) == n
+                assert rank.client.store_cuda(rank.ns, fresh, list(range(caller * n, (caller + 1) * n)), rank.ready) == n
 
             result["load_GBps"][n] = sustained_aggregate_GBps(ranks, load, n, rounds)  # before stores evict them
             result["store_GBps"][n] = sustained_aggregate_GBps(ranks, store, n, rounds)

@@ -89,14 +89,15 @@ def well_formed_cache() -> pb.CudaKVCache:
         device_uuid="GPU-0",
         allocations=[pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_offset=9)],
         num_blocks=4,
-        ready_event=b"e" * 64,
+        ready_events=[b"e" * 64],
     )
     cache.runs.add(allocation=0, offset=0, block_stride=4096, size_bytes=4096)
     return cache
 
 
 MALFORMED = {
-    "no ready event": (lambda c: c.ClearField("ready_event"), "needs the engine's ready event"),
+    "no ready event": (lambda c: c.ClearField("ready_events"), "ring of 1 to 256 ready events"),
+    "a ring of 257 ready events": (lambda c: c.ready_events.extend([b"e" * 64] * 256), "ring of 1 to 256 ready events"),
     "ref counter slot outside its file": (lambda c: setattr(c.allocations[0], "ref_counter_offset", 1 << 40), "ref_counter"),
     "runs not adding up to the block": (lambda c: setattr(c.runs[0], "size_bytes", 2048), "bytes per block"),
     "a run's size in the exabytes": (lambda c: setattr(c.runs[0], "block_stride", 1 << 62), "must be below"),
@@ -228,17 +229,17 @@ def registered_cache(client: KVTierClient, layout: str = "BLHNC"):
     return buffer, kv, ns
 
 
-def slow_forward(kv, seed: int, gpu_cycles: int) -> torch.Tensor:
+def slow_forward(kv, seed: int, gpu_cycles: int) -> tuple[torch.Tensor, int]:
     """As a forward that runs `gpu_cycles` and then writes seeded data into blocks 0-7, queued on the
-    compute stream (not waited for) and followed by the ready event; the [8, block_bytes] data."""
+    compute stream (not waited for) and followed by a ready event; the [8, block_bytes] data and the
+    event's index in the ring (its store names it)."""
     data = seeded_blocks(Geometry(**GEOMETRY), seed, 8)
     torch.cuda._sleep(gpu_cycles)
     start = 0
     for run in kv.runs:
         run.rows[:8] = data[:, start : start + run.run.size]
         start += run.run.size
-    kv.record_ready()
-    return data
+    return data, kv.record_ready()
 
 
 @gpu
@@ -322,14 +323,16 @@ def test_a_store_whose_blocks_are_not_ready_by_its_deadline_is_not_copied(start_
         _, kv, ns = registered_cache(client)
         hashes = block_hashes(4, 8)
         torch.cuda._sleep(3_000_000_000)  # a forward of about 1.5 s before the blocks are ready
-        kv.record_ready()
+        ready = kv.record_ready()
         with pytest.raises(grpc.RpcError) as late:
-            client.store_cuda(ns, hashes, list(range(8)), deadline_ns=time.monotonic_ns() + 300_000_000)
+            client.store_cuda(ns, hashes, list(range(8)), ready, deadline_ns=time.monotonic_ns() + 300_000_000)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value.details()
         assert client.lookup(ns, hashes).hit_count == 0
+        with pytest.raises(grpc.RpcError) as outside:  # a slot beyond the ring: refused before any reservation
+            client.store_cuda(ns, hashes, list(range(8)), len(kv.ready_events))
+        assert outside.value.code() == grpc.StatusCode.INVALID_ARGUMENT, outside.value.details()
         torch.cuda.synchronize()
-        kv.record_ready()
-        assert client.store_cuda(ns, hashes, list(range(8))) == 8  # ready in time: committed
+        assert client.store_cuda(ns, hashes, list(range(8)), kv.record_ready()) == 8  # ready in time: committed
 
 
 @gpu
@@ -346,9 +349,9 @@ def test_a_store_waiting_for_its_engines_forward_holds_up_no_other_engines_copie
         _, _, b_ns = registered_cache(b_client)
         b_hashes = block_hashes(6, 8)
         assert b_client.store(b_ns, b_hashes, seeded_blocks(geometry, 6, 8).cpu().numpy()) == 8
-        forward = slow_forward(a, 9, gpu_cycles=3_000_000_000)  # engine A's: about 1.5 s
+        forward, ready = slow_forward(a, 9, gpu_cycles=3_000_000_000)  # engine A's: about 1.5 s
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            store = pool.submit(a_client.store_cuda, a_ns, block_hashes(9, 8), list(range(8)))
+            store = pool.submit(a_client.store_cuda, a_ns, block_hashes(9, 8), list(range(8)), ready)
             times = []
             for _ in range(2 * LANES_PER_DEVICE):  # engine B's loads go round every lane
                 started = time.monotonic()
@@ -369,9 +372,9 @@ def test_a_store_waits_for_the_forward_it_follows_not_for_later_ones(start_daemo
     daemon = start_daemon("--pool-size", "256MiB")
     with KVTierClient(daemon.address, timeout=30) as client:
         _, kv, ns = registered_cache(client)
-        forward = slow_forward(kv, 11, gpu_cycles=2_000_000_000)  # this step's: about a second
+        forward, ready = slow_forward(kv, 11, gpu_cycles=2_000_000_000)  # this step's: about a second
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            store = pool.submit(client.store_cuda, ns, block_hashes(11, 8), list(range(8)))
+            store = pool.submit(client.store_cuda, ns, block_hashes(11, 8), list(range(8)), ready)
             started = time.monotonic()
             while not store.done() and time.monotonic() - started < 4:  # later steps, queued ahead of the GPU
                 torch.cuda._sleep(200_000_000)
@@ -384,16 +387,11 @@ def test_a_store_waits_for_the_forward_it_follows_not_for_later_ones(start_daemo
 
 
 @gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, open: closing an engine's IPC mappings synchronizes the device, so it waits for "
-    "another registration's gate stream, still waiting for its engine's forward (5.8 s of a 6 s forward on the "
-    "H200); the fix planned is a ring of ready events polled on the host, with no GPU-side wait on them",
-)
 def test_a_store_refused_during_its_engines_forward_holds_up_neither_other_engines_nor_shutdown(start_daemon):
-    """A store refused for its deadline while its engine computes leaves its registration's own stream
-    waiting on the GPU for that forward. Nothing else should wait for it: another engine's calls and its
-    session ending (its mappings closed), a third engine's calls, and the daemon's shutdown."""
+    """A store refused for its deadline while its engine's forward still runs (6 s, or an engine hung in
+    it). Nothing else waits for that forward: another engine's calls and its session ending (closing
+    its mappings synchronizes the device), a third engine's calls, and the daemon's shutdown. (Fails
+    where any daemon stream waits on the GPU for an engine's ready event, as a gate stream did.)"""
     daemon = start_daemon("--pool-size", "256MiB")
     geometry = Geometry(**GEOMETRY)
     b_client = KVTierClient(daemon.address, timeout=30).connect()  # (B's CUDA work is done first: in this
@@ -401,9 +399,9 @@ def test_a_store_refused_during_its_engines_forward_holds_up_neither_other_engin
     hashes, b_data = block_hashes(13, 8), seeded_blocks(geometry, 13, 8).cpu().numpy()
     with KVTierClient(daemon.address, timeout=30) as a_client:
         _, a, a_ns = registered_cache(a_client)
-        slow_forward(a, 12, gpu_cycles=12_000_000_000)  # about 6 s
+        _, ready = slow_forward(a, 12, gpu_cycles=12_000_000_000)  # about 6 s
         with pytest.raises(grpc.RpcError) as late:
-            a_client.store_cuda(a_ns, block_hashes(12, 8), list(range(8)), deadline_ns=time.monotonic_ns() + 300_000_000)
+            a_client.store_cuda(a_ns, block_hashes(12, 8), list(range(8)), ready, deadline_ns=time.monotonic_ns() + 300_000_000)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         started = time.monotonic()
         steps = []

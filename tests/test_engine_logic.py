@@ -368,6 +368,7 @@ def test_gpu_stores_waiting_for_a_slow_daemon_are_bounded(link):
 
         def record_ready(self):
             self.ready += 1
+            return self.ready % 64
 
     cache = GpuCache()
     worker = BlockTransfers(link, cache, delay_frees=True)

@@ -77,16 +77,16 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     n, per_block = 16, -(-block_bytes // PAGE)
     order = np.arange(POOL_PAGES) if pages == "consecutive" else np.random.default_rng(3).permutation(POOL_PAGES)
     page_ids = order[: n * per_block].reshape(n, per_block).astype(np.uint32)
-    kv.record_ready()
+    ready = kv.record_ready()
     gpu_copy.compile_kernel()
     compiled = _compiled_kernels(gpu_copy._copy_blocks)
     monkeypatch.setattr(gpu_copy, "MAX_GRID_BLOCKS", 3)  # every kernel copy in launches of 3 blocks or fewer
 
-    stored = kv.to_pool(pool, page_ids, list(range(n)))  # the engine's own lane (shm fallback)
+    stored = kv.to_pool(pool, page_ids, list(range(n)), ready)  # the engine's own lane (shm fallback)
     # eight more blocks where blocks 5 and 6 have their pages in reverse order (a fragmented pool)
     mixed_pages = order[n * per_block : (n + 8) * per_block].reshape(8, per_block).astype(np.uint32)
     mixed_pages[5:7] = mixed_pages[5:7, ::-1]
-    mixed_stored = kv.to_pool(pool, mixed_pages, list(range(8)))
+    mixed_stored = kv.to_pool(pool, mixed_pages, list(range(8)), ready)
     with ThreadPoolExecutor(1) as fresh:  # a thread with no CUDA call yet, as the engine's link thread starts
         loaded = fresh.submit(kv.from_pool, pool, page_ids, list(range(16, 16 + n))).result()
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
@@ -144,8 +144,7 @@ def test_a_launch_failing_midway_raises_at_once_with_what_to_wait_for(pool, monk
     views, block_bytes = kv_cache("BLHNC")
     kv = GpuKV(list(views.values()), 64)
     page_ids = np.arange(16 * (block_bytes // PAGE)).reshape(16, -1).astype(np.uint32)
-    kv.record_ready()
-    kv.to_pool(pool, page_ids, list(range(16)))
+    kv.to_pool(pool, page_ids, list(range(16)), kv.record_ready())
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
     device = next(iter(views.values())).device
     layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, device)

@@ -201,12 +201,13 @@ class KVTierClient:
         op = ops.load_cuda(self.state, ns, device_block_ids, hashes, lease_id, deadline_ns)
         return self._run(op, self._cuda_wait(deadline_ns))
 
-    def store_cuda(
-        self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], deadline_ns: int = 0
+    def store_cuda(  # noqa: PLR0913
+        self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], ready_event: int, deadline_ns: int = 0
     ) -> int:
-        """See ops.store_cuda; the deadline as for load_cuda."""
+        """See ops.store_cuda (`ready_event` is what GpuKV.record_ready returned); the deadline as for
+        load_cuda."""
         deadline_ns = deadline_ns or self.cuda_deadline_ns()
-        op = ops.store_cuda(self.state, ns, hashes, device_block_ids, deadline_ns)
+        op = ops.store_cuda(self.state, ns, hashes, device_block_ids, ready_event, deadline_ns)
         return self._run(op, self._cuda_wait(deadline_ns))
 
     def reserve(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes) -> ops.Reservation:

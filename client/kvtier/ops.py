@@ -174,13 +174,21 @@ def load_cuda(  # noqa: PLR0913
     return response.block_count
 
 
-def store_cuda(
-    state: SessionState, ns: Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], deadline_ns: int = 0
+def store_cuda(  # noqa: PLR0913
+    state: SessionState,
+    ns: Namespace,
+    hashes: Sequence[bytes],
+    device_block_ids: Sequence[int],
+    ready_event: int,
+    deadline_ns: int = 0,
 ) -> Op:
-    """The daemon copies the engine's GPU blocks into the pool (after the engine's ready event) and
-    commits them; returns how many were newly committed. Nothing is committed from a copy seen ending
-    after `deadline_ns` (DEADLINE_EXCEEDED)."""
-    target = pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns)
+    """The daemon copies the engine's GPU blocks into the pool (once the engine's ready event
+    `ready_event`, an index into its ring, has completed) and commits them; returns how many were
+    newly committed. Nothing is committed from a copy seen ending after `deadline_ns`
+    (DEADLINE_EXCEEDED)."""
+    target = pb.CudaIpcTarget(
+        registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns, ready_event=ready_event
+    )
     request = pb.ReserveRequest(
         session_id=state.session_id,
         namespace=ns.id,

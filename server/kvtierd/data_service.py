@@ -306,6 +306,7 @@ class DataService(pb_grpc.KVTierServicer):
         if len(device_blocks) != len(hashes):
             raise InvalidArgument(f"{len(device_blocks)} device block ids for {len(hashes)} hashes")
         registration.check_blocks(device_blocks)
+        ready_event = registration.ready_event(request.cuda_ipc.ready_event)
         result = self.store.reserve(session.id, ns, hashes)
         response = pb.ReserveResponse(status=result.statuses.tolist())
         reservation = result.reservation
@@ -316,7 +317,7 @@ class DataService(pb_grpc.KVTierServicer):
         try:
             with self.metrics.cuda_copy_seconds.labels("store").time():
                 pages = decode_page_ids(reservation.page_ids, ns.pages_per_block)
-                sums = await self.gpu.store(registration, chosen, pages, deadline_ns)
+                sums = await self.gpu.store(registration, chosen, pages, ready_event, deadline_ns)
             self.metrics.cuda_copy_bytes.labels("store").inc(len(chosen) * ns.block_bytes)
             if registration.closing:  # the engine died during the copy: its last step may be half computed
                 raise FailedPrecondition("the engine's session ended during the store; nothing was committed")

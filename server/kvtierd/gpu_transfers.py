@@ -2,7 +2,7 @@
 
 A registration belongs to a session: the engine worker's KV cache allocations opened through CUDA
 IPC on the device with the same UUID, its layout (gpu_copy.GpuLayout: the segment template, kept on
-that GPU), and its ready event. The
+that GPU), and its ring of ready events. The
 daemon keeps one CUDA context per GPU (torch's primary context) and LANES_PER_DEVICE copy lanes per
 GPU, taken in turn (gpu_copy.CopyLane: a stream for the copy engines and one for the kernel). The
 event loop enqueues each copy itself (a few hundred microseconds of numpy and launches: no thread
@@ -13,10 +13,12 @@ is done. No thread wakes up and no lock changes hands between the last byte and 
 goes on the moment the copy is seen done (a load answers from there); the cost is the loop
 spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
 milliseconds) until it is seen done.
-A store's copy is enqueued once the engine's ready event, as recorded when the call arrived, has
-completed (`_engine_ready`): the engine's stream never waits for a store, and no copy lane (shared
-by every engine on the GPU) waits for one engine's forward. Loads return only when the bytes are in
-the engine's memory. A copy whose launch fails
+A store's copy is enqueued once the ready event it names (the one its engine recorded after the
+forward that wrote its blocks) is seen complete from the host (`_engine_ready`): the engine's stream
+never waits for a store, and none of the daemon's streams ever waits for an engine's work, so no
+copy lane (shared by every engine on the GPU), no closing of another engine's mappings (which
+synchronizes the device) and no shutdown waits for one engine's forward. Loads return only when the
+bytes are in the engine's memory. A copy whose launch fails
 after part of it went to the GPU (gpu_copy's LaunchFailed) is watched the same way until that part
 has landed, and only then does its error go up (and its pages go free). When a session ends, its
 registrations close after their copies in flight finish, which closes the IPC mappings (the GPU
@@ -51,6 +53,8 @@ LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before
 POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
 FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
+READY_SPIN_S = 0.0002  # a store's ready event is checked on every turn of the loop this long, then every SLOW_POLL_S
+MAX_READY_EVENTS = 256  # bound on an engine's ring of ready events
 MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
 MAX_ENGINE_CLOCK_AHEAD_NS = 1_000_000_000  # an engine clock further ahead of ours makes its deadlines late
@@ -66,8 +70,7 @@ class CudaRegistration:
     storages: list  # torch.UntypedStorage opened through CUDA IPC
     layout: object  # gpu_copy.GpuLayout over the storages
     num_blocks: int
-    ready_event: object  # torch.cuda.Event opened from the engine's handle
-    gate: object = None  # torch.cuda.ExternalStream of its own, on which stores wait for the ready event
+    ready_events: list  # torch.cuda.Events opened from the engine's ring of handles
     in_flight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -75,6 +78,12 @@ class CudaRegistration:
     def check_blocks(self, block_ids: np.ndarray) -> None:
         if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise InvalidArgument(f"device block ids must be in [0, {self.num_blocks})")
+
+    def ready_event(self, index: int):
+        """The ring's event `index` (a store names the one recorded after the forward it follows)."""
+        if index >= len(self.ready_events):
+            raise InvalidArgument(f"ready_event {index} is outside the registration's ring of {len(self.ready_events)}")
+        return self.ready_events[index]
 
 
 @dataclass
@@ -121,7 +130,6 @@ class GpuTransfers:
                 lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
                 self._lanes[device_index] = lanes
                 self._next_lane[device_index] = itertools.cycle(lanes)
-            gate = _own_stream(torch, device_index)
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
@@ -130,8 +138,7 @@ class GpuTransfers:
             storages=storages,
             layout=layout,
             num_blocks=cache.num_blocks,
-            ready_event=ready,
-            gate=gate,
+            ready_events=ready,
         )
         for earlier in [r for r in self._registrations.values() if (r.session_id, r.namespace_id) == (session_id, namespace_id)]:
             self._retire(earlier)  # a session re-registering a namespace does not pile up mappings
@@ -161,30 +168,33 @@ class GpuTransfers:
 
     # ------------------------------------------------------------------ copies
 
-    async def store(
-        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, deadline_ns: int = 0
+    async def store(  # noqa: PLR0913
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, ready_event, deadline_ns: int = 0
     ) -> np.ndarray:
-        """Copy engine blocks into pool blocks after the engine's ready event; their checksums."""
-        return await self._run(registration, block_ids, page_ids, to_pool=True, deadline_ns=deadline_ns)
+        """Copy engine blocks into pool blocks once the engine's `ready_event` (one of its ring:
+        `registration.ready_event(index)`) has completed; their checksums."""
+        return await self._run(registration, block_ids, page_ids, after=ready_event, deadline_ns=deadline_ns)
 
     async def load(
         self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, deadline_ns: int = 0
     ) -> np.ndarray:
         """Copy pool blocks into engine blocks; the checksums of what was copied, as soon as the bytes
         are seen in place."""
-        return await self._run(registration, block_ids, page_ids, to_pool=False, deadline_ns=deadline_ns)
+        return await self._run(registration, block_ids, page_ids, after=None, deadline_ns=deadline_ns)
 
     async def _run(  # noqa: PLR0913
-        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, deadline_ns: int
+        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, after, deadline_ns: int
     ):
-        """Enqueue the copy and poll it (see the module's notes); the registration stays open until it
-        has ended. A copy that cannot end by `deadline_ns` (0: none) is not started."""
+        """Enqueue the copy (a store, into the pool, once the engine's event `after` has completed; a
+        load when `after` is None) and poll it (see the module's notes); the registration stays open
+        until it has ended. A copy that cannot end by `deadline_ns` (0: none) is not started."""
+        to_pool = after is not None
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
         registration.in_flight += 1
         try:
             if to_pool:
-                await _engine_ready(registration, deadline_ns)
+                await _engine_ready(registration, after, deadline_ns)
             lane = next(self._next_lane[registration.device_index])
             now = asyncio.get_running_loop().time()
             end = self._clock.expected_end(now, lane, to_pool, len(block_ids) * registration.layout.block_bytes)
@@ -231,10 +241,7 @@ class GpuTransfers:
         registration.closing = True
         self._registrations.pop(registration.id, None)
         registration.storages.clear()
-        registration.ready_event = None
-        if registration.gate is not None:
-            _cuda_driver().cuStreamDestroy_v2(ctypes.c_void_p(registration.gate.cuda_stream))
-            registration.gate = None
+        registration.ready_events.clear()
         registration.closed.set()
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 
@@ -255,8 +262,8 @@ class GpuTransfers:
             log.error("cuda_ipc unavailable: the copy kernel did not compile", extra={"reason": self.kernel_error})
 
     def close(self) -> None:
-        """Copies whose callers went with the event loop land before the mappings go. Only the lanes
-        are waited for: a registration's gate stream may still wait for a forward of a hung engine."""
+        """Copies whose callers went with the event loop land before the mappings go (only the lanes
+        are waited for: nothing else of the device is ours)."""
         for lanes in self._lanes.values():
             for lane in lanes:
                 lane.dma.synchronize()
@@ -289,26 +296,20 @@ class LinkClock:
         self._lane_end[lane] = self._direction_ends.setdefault((lane.device, to_pool), {})[lane] = end
 
 
-async def _engine_ready(registration: CudaRegistration, deadline_ns: int) -> None:
-    """Wait until the engine's ready event, as recorded when the call arrived (after the forward that
-    wrote the blocks, or a later one), has completed; the copy then needs no wait on its lane. When
-    its latest record is not done yet, the registration's own stream waits for that record and a
-    local event marks it, checked every SLOW_POLL_S: the engine's event itself may be recorded again
-    meanwhile (with async scheduling vLLM records the next step's before this one's is done), and
-    checking its latest record could then wait for ever."""
-    if registration.ready_event.query():
-        return
-    import torch  # noqa: PLC0415 (loaded: the registration is open)
-
-    passed = torch.cuda.Event()
-    registration.gate.wait_event(registration.ready_event)
-    passed.record(registration.gate)
-    while not passed.query():
+async def _engine_ready(registration: CudaRegistration, event, deadline_ns: int) -> None:
+    """Wait until the engine's ready `event` has completed: checked on every turn of the loop for
+    READY_SPIN_S (a store sent right after its forward's record), then every SLOW_POLL_S. Only the
+    host queries it, so a forward that never ends holds this call alone, until its deadline. The
+    engine records the ring's events in turn, so by the time this one is recorded again its forward
+    has long ended (a later record of it is waited for too, and ends soon after)."""
+    loop = asyncio.get_running_loop()
+    spin_until = loop.time() + READY_SPIN_S
+    while not event.query():
         if registration.closing:
             raise FailedPrecondition("the engine's session ended before its blocks were ready; nothing was copied")
         if deadline_ns and time.monotonic_ns() > deadline_ns:
             raise DeadlineExceeded("the engine's blocks were not ready by the call's deadline; nothing was copied")
-        await asyncio.sleep(SLOW_POLL_S)
+        await asyncio.sleep(0 if loop.time() < spin_until else SLOW_POLL_S)
 
 
 async def _landed(launched, expected_end: float) -> None:
@@ -350,8 +351,8 @@ def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
     up to the namespace's block, and each allocation's ref counter slot within torch's file."""
     if not cache.allocations or not cache.runs or cache.num_blocks == 0:
         raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
-    if not cache.ready_event:
-        raise InvalidArgument("cuda_kv needs the engine's ready event (stores wait on it)")
+    if not cache.ready_events or len(cache.ready_events) > MAX_READY_EVENTS:
+        raise InvalidArgument(f"cuda_kv needs the engine's ring of 1 to {MAX_READY_EVENTS} ready events (stores wait on them)")
     for allocation in cache.allocations:
         if max(allocation.size_bytes, allocation.offset) >= MAX_FIELD:
             raise InvalidArgument(f"allocation sizes and offsets must be below {MAX_FIELD}")
@@ -395,8 +396,6 @@ def _device_by_uuid(torch, device_uuid: str) -> int:
 def _cuda_driver() -> ctypes.CDLL:
     driver = ctypes.CDLL("libcuda.so.1")
     driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    driver.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    driver.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
     return driver
 
 
@@ -409,23 +408,13 @@ def _allocation_range(pointer: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-def _own_stream(torch, device_index: int):
-    """A stream no one else uses (torch's streams come from a pool of 32 shared in turn: a wait on
-    one could hold up a copy lane), in the device's current context."""
-    handle = ctypes.c_void_p()
-    status = _cuda_driver().cuStreamCreate(ctypes.byref(handle), 1)  # CU_STREAM_NON_BLOCKING
-    if status != 0:
-        raise FailedPrecondition(f"cuStreamCreate failed with CUresult {status}")
-    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device_index))
-
-
-def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, object]:
-    """The engine's allocations and ready event, opened through CUDA IPC; each allocation checked to
+def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, list]:
+    """The engine's allocations and ready events, opened through CUDA IPC; each allocation checked to
     lie within the memory its handle opens (a copy past it would fault and poison our context)."""
     with torch.cuda.device(device_index):
         try:
             storages = [_open_storage(torch, device_index, a) for a in cache.allocations]
-            ready = torch.cuda.Event.from_ipc_handle(device_index, cache.ready_event)
+            ready = [torch.cuda.Event.from_ipc_handle(device_index, handle) for handle in cache.ready_events]
         except RuntimeError as exc:
             raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
         for index, (storage, allocation) in enumerate(zip(storages, cache.allocations, strict=True)):

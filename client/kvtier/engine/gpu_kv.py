@@ -24,6 +24,8 @@ from kvtier.copy_plan import Run, SegmentTemplate
 from kvtier.pool_view import PoolMapping
 from kvtier.v1 import kvtier_pb2 as pb
 
+READY_EVENTS = 64  # the ring of ready events: twice the GPU stores an engine keeps waiting (worker.MAX_PENDING_GPU_STORES)
+
 
 @dataclass(frozen=True)
 class RunView:
@@ -84,7 +86,8 @@ class GpuKV:
         self.num_blocks = num_blocks
         self.storages, self.runs = block_runs(tensors, num_blocks)
         self.block_bytes = sum(r.run.size for r in self.runs)
-        self.ready = torch.cuda.Event(interprocess=True)
+        self.ready_events = [torch.cuda.Event(interprocess=True) for _ in range(READY_EVENTS)]
+        self._next_ready = 0  # the ring's slot record_ready records next
         self._bases = np.array([storage.data_ptr() for storage in self.storages], dtype=np.int64)
         self._lane = None  # gpu_copy.CopyLane of the shm fallback, made on its first copy
         self._runs = [r.run for r in self.runs]
@@ -116,25 +119,31 @@ class GpuKV:
                 for r in self._runs
             ],
             num_blocks=self.num_blocks,
-            ready_event=self.ready.ipc_handle(),
+            ready_events=[event.ipc_handle() for event in self.ready_events],
         )
 
-    def record_ready(self) -> None:
-        """Mark the engine's stream after the forward: the daemon's copies of these blocks wait for it."""
-        self.ready.record(torch.cuda.current_stream(self.device))
+    def record_ready(self) -> int:
+        """Mark the engine's stream after the forward with the ring's next event; its index, which the
+        store of the forward's blocks names (the copy waits for it). Each event is recorded again only
+        READY_EVENTS records later, so a store is not held up by later steps' forwards."""
+        index = self._next_ready
+        self.ready_events[index].record(torch.cuda.current_stream(self.device))
+        self._next_ready = (index + 1) % READY_EVENTS
+        return index
 
     # ------------------------------------------------------------------ shm fallback (the engine copies)
 
-    def to_pool(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
-        """Copy engine blocks into pool pages after the ready event (a side stream: the compute stream
-        never waits); their checksums once done. The daemon's kernel, run by the engine."""
-        return self._copy(pool, page_ids, block_ids, to_pool=True)
+    def to_pool(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], ready: int) -> np.ndarray:
+        """Copy engine blocks into pool pages after the ring's ready event `ready` (a side stream: the
+        compute stream never waits); their checksums once done. The daemon's kernel, run by the engine."""
+        return self._copy(pool, page_ids, block_ids, after=self.ready_events[ready])
 
     def from_pool(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int]) -> np.ndarray:
         """Copy pool pages into engine blocks; the checksums of what was copied, once it is in place."""
-        return self._copy(pool, page_ids, block_ids, to_pool=False)
+        return self._copy(pool, page_ids, block_ids, after=None)
 
-    def _copy(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], to_pool: bool) -> np.ndarray:
+    def _copy(self, pool: PoolMapping, page_ids: np.ndarray, block_ids: list[int], after) -> np.ndarray:
+        """Into the pool after the event `after`; out of it when `after` is None."""
         from kvtier.gpu_copy import CopyLane, GpuLayout, copy_blocks  # noqa: PLC0415 (triton)
 
         if self._lane is None:
@@ -147,7 +156,7 @@ class GpuKV:
             np.asarray(block_ids, dtype=np.int64),
             pool.cuda_address(),
             page_ids,
-            to_pool,
+            after is not None,
             self._lane,
-            after=self.ready if to_pool else None,
+            after=after,
         )

@@ -279,8 +279,8 @@ class BlockTransfers:
                 self._pending_gpu_stores += 1
             call = DeviceCall.due_in(self.link.timeout)
             try:
-                self._gpu_kv.record_ready()
-                call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, call))
+                ready = self._gpu_kv.record_ready()
+                call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
             except BaseException:
                 with self._lock:
                     self._pending_gpu_stores -= 1
@@ -300,16 +300,17 @@ class BlockTransfers:
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
     def _store_gpu(  # noqa: PLR0913
-        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], call: DeviceCall
+        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], ready: int, call: DeviceCall
     ) -> int:
+        """Store the blocks the forward marked by the ring's ready event `ready` wrote."""
         if ns.cuda_registration:
-            return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, deadline_ns), daemon_copies=True)
+            return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, ready, deadline_ns), daemon_copies=True)
 
         def write(reservation: Reservation) -> np.ndarray:  # as the daemon does: nothing read past the deadline
             chosen = [block_ids[i] for i in reservation.reserved_indices.tolist()]
             if time.monotonic_ns() >= call.deadline_ns:
                 raise PastDeadline("not copied: the store's deadline passed")
-            sums = self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen)
+            sums = self._gpu_kv.to_pool(client.state.pool(), reservation.page_ids, chosen, ready)
             if time.monotonic_ns() > call.deadline_ns:
                 raise PastDeadline("not committed: the copy ended after the store's deadline")
             return sums

@@ -174,18 +174,18 @@ class KVRun(_message.Message):
     def __init__(self, allocation: _Optional[int] = ..., offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaKVCache(_message.Message):
-    __slots__ = ("device_uuid", "allocations", "runs", "num_blocks", "ready_event")
+    __slots__ = ("device_uuid", "allocations", "runs", "num_blocks", "ready_events")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     allocations: _containers.RepeatedCompositeFieldContainer[CudaAllocation]
     runs: _containers.RepeatedCompositeFieldContainer[KVRun]
     num_blocks: int
-    ready_event: bytes
-    def __init__(self, device_uuid: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[CudaAllocation, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[KVRun, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    ready_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, device_uuid: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[CudaAllocation, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[KVRun, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., ready_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("session_id", "spec", "cuda_kv", "monotonic_ns")
@@ -258,14 +258,16 @@ class LookupBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTarget(_message.Message):
-    __slots__ = ("registration_id", "device_block_ids", "deadline_ns")
+    __slots__ = ("registration_id", "device_block_ids", "deadline_ns", "ready_event")
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     registration_id: str
     device_block_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_ns: int
-    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ...) -> None: ...
+    ready_event: int
+    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ..., ready_event: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "lease_id", "hashes", "transport", "cuda_ipc")
