@@ -19,7 +19,9 @@ from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir  # noqa: E40
 
 
 def start_daemon(*args: str) -> DaemonProcess:
-    return DaemonProcess(new_daemon_dir(), list(args)).start()
+    """A daemon given two minutes to serve: a fresh GPU machine takes longer than 20 s to touch and pin
+    a pool of 12 GiB and compile the copy kernel."""
+    return DaemonProcess(new_daemon_dir(), list(args), start_timeout=120).start()
 
 
 def stop_daemon(daemon: DaemonProcess) -> None:

@@ -26,6 +26,7 @@ class DaemonProcess:
     directory: Path
     args: list[str]
     prefix: list[str] = field(default_factory=list)  # runs the daemon through this command (e.g. unshare)
+    start_timeout: float = START_TIMEOUT  # (a pool of many GiB takes longer to touch and pin)
     process: subprocess.Popen | None = None
     log_path: Path = field(init=False)
 
@@ -71,7 +72,7 @@ class DaemonProcess:
         return self
 
     def wait_serving(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"kvtierd exited with {self.process.returncode}:\n{self.log()}")
@@ -83,7 +84,7 @@ class DaemonProcess:
             except grpc.RpcError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"kvtierd did not serve within {START_TIMEOUT}s:\n{self.log()}")
+        raise RuntimeError(f"kvtierd did not serve within {self.start_timeout}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
