@@ -43,6 +43,7 @@ class Tiers:
         """Store a block in the pool, and wait until `on_disk` blocks are on disk (its victim's demotion)."""
         data = contents([block_hash], BLOCK)
         reservation = self.store.reserve("s", self.ns, [block_hash]).reservation
+        await self.fs.copies_landed()  # (as the daemon's Reserve does: the victim's copy has read the pages)
         self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, self.ns.pages_per_block), data)
         self.store.commit("s", reservation.id, checksum.block_checksums(data))
         self.fs.committed(self.ns, reservation.blocks)  # (as the daemon's Commit does)
@@ -252,6 +253,67 @@ def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
         assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, d) is not None
         assert t.fs.index.get(t.ns.id, a) is not None and t.path(a).exists()  # C's file made room instead
         assert t.fs.index.get(t.ns.id, c) is None
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_demotions_copy_holds_up_neither_the_event_loop_nor_the_bytes_it_copies(tmp_path):
+    """A Reserve evicts A: A's bytes are copied out of its pages on the tier's copy thread (held here)
+    while the event loop serves other calls. The Reserve answers, handing A's pages to the caller,
+    only once the copy has read them: the caller's bytes, written at once, do not reach A's file."""
+    a, b, c, d, e = chain_hashes("copy-off-the-loop", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.settle()  # (staging buffers made ahead)
+        service, session = t.data_service(pb.Limits())
+        session.namespaces.add(t.ns.id)
+        gate = threading.Event()
+        t.fs.copier.submit(gate.wait)
+        try:
+            request = pb.ReserveRequest(session_id=session.id, namespace=t.ns.id, hashes=e)
+            reserve = asyncio.ensure_future(DataService.Reserve.__wrapped__(service, request, None))
+            lookup = pb.LookupRequest(session_id=session.id, namespace=t.ns.id, hashes=b)
+            served = await asyncio.wait_for(DataService.Lookup.__wrapped__(service, lookup, None), timeout=5)
+            assert served.hit_count == 1  # the loop serves calls meanwhile
+            await asyncio.sleep(0.05)
+            assert not reserve.done() and a not in t.ns.blocks  # A evicted; its copy not done
+        finally:
+            gate.set()
+        response = await asyncio.wait_for(reserve, timeout=10)
+        t.pool.view.write_blocks(decode_page_ids(response.page_ids, t.ns.pages_per_block), contents([e], BLOCK))
+        await t.settle()
+        data = aligned_empty(BLOCK)
+        read_block(t.path(a), t.ns.id, a, BLOCK, [memoryview(data)], direct=False)
+        assert np.array_equal(data, block_content(a, BLOCK))
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_promotion_reads_into_its_pages_once_the_copy_of_their_victim_has_landed(tmp_path):
+    """A's promotion evicts B from the pool, whose copy out of the pages (held here) must land before
+    A's file is read into them: B's file holds B's bytes, and A is promoted intact."""
+    a, b, c, d, e = chain_hashes("promotion-after-copy", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A goes to disk; B is the pool's least recently used
+        gate = threading.Event()
+        t.fs.copier.submit(gate.wait)
+        try:
+            t.fs.lookup(t.ns, [a])
+            promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
+            await asyncio.sleep(0.05)
+            assert not promotion.done() and b not in t.ns.blocks
+        finally:
+            gate.set()
+        await asyncio.wait_for(promotion, timeout=10)
+        await t.settle()
+        in_pool = t.pool.view.read_blocks(np.frombuffer(t.ns.blocks[a].pages, dtype="<u4").reshape(1, -1), BLOCK)
+        assert np.array_equal(in_pool[0], block_content(a, BLOCK))
+        data = aligned_empty(BLOCK)
+        read_block(t.path(b), t.ns.id, b, BLOCK, [memoryview(data)], direct=False)
+        assert np.array_equal(data, block_content(b, BLOCK))
 
     run_with_tiers(tmp_path, body)
 

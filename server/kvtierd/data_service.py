@@ -14,8 +14,16 @@ from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
-from kvtierd.block_store import BlockStore, Lease, Namespace, until_repeat
-from kvtierd.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvtierd.block_store import BlockStore, Lease, Namespace, ReserveResult, until_repeat
+from kvtierd.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVTierError,
+    NotFound,
+    ResourceExhausted,
+)
 from kvtierd.fs_tier import FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
@@ -290,13 +298,29 @@ class DataService(pb_grpc.KVTierServicer):
         session, ns = self._session_namespace(request.session_id, request.namespace)
         if request.transport == pb.TRANSPORT_CUDA_IPC:
             return await self._store_cuda(session, ns, request)
-        result = self.store.reserve(session.id, ns, self.store.split_hashes(ns, request.hashes))
+        result = await self._reserve(session.id, ns, self.store.split_hashes(ns, request.hashes))
         response = pb.ReserveResponse(status=result.statuses.tolist())
         if result.reservation is not None:
             response.reservation_id = result.reservation.id
             response.page_ids = result.reservation.page_ids
             response.lease_ttl_ms = self.limits.lease_ttl_ms
         return response
+
+    async def _reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
+        """Reserve pool pages for the hashes, and return once they are the reservation's alone: the fs
+        tier copies the blocks it demotes out of their pages on a thread, while the pages already
+        belong to the reservation that evicted them (`copies_landed`)."""
+        result = self.store.reserve(session_id, ns, hashes)
+        if self.fs is None or result.reservation is None:
+            return result
+        try:
+            await self.fs.copies_landed()
+            self.store.reservation(session_id, result.reservation.id)  # (still there: its session did not end)
+        except BaseException:
+            with contextlib.suppress(KVTierError):  # (gone with its session already)
+                self.store.abort(session_id, result.reservation.id)
+            raise
+        return result
 
     async def _store_cuda(self, session: Session, ns: Namespace, request: pb.ReserveRequest) -> pb.ReserveResponse:
         """Reserve, copy from the engine's GPU blocks, checksum and commit, in one call."""
@@ -307,7 +331,7 @@ class DataService(pb_grpc.KVTierServicer):
             raise InvalidArgument(f"{len(device_blocks)} device block ids for {len(hashes)} hashes")
         registration.check_blocks(device_blocks)
         ready_event = registration.ready_event(request.cuda_ipc.ready_event)
-        result = self.store.reserve(session.id, ns, hashes)
+        result = await self._reserve(session.id, ns, hashes)
         response = pb.ReserveResponse(status=result.statuses.tolist())
         reservation = result.reservation
         if reservation is None:

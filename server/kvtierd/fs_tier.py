@@ -4,9 +4,13 @@ operation on a thread pool (--fs-io-threads), so the event loop never waits on t
 Demotion and write-through copy; they do not hold pages. BlockStore calls `on_evict` with its victims
 while their pages still hold their bytes, and hands those pages to a new reservation as soon as it
 returns; `committed` gets blocks just committed (written through with --fs-write-through). Both copy
-each block's bytes (a numpy gather on the loop, which releases the GIL: about 0.1-0.2 ms per 2 MiB
-block) into an aligned staging buffer and start its write at once, so the disk is busy while the
-next blocks are copied; nothing reads the pool pages later. Staging buffers are made and
+each block's bytes into an aligned staging buffer on a copy thread of their own (a numpy gather,
+which lets the GIL go: 0.1 to 1 ms per 2 MiB block on this VM, which the event loop used to spend
+itself) and start its write once it is copied, so the disk is busy while the next blocks are
+copied. Pages handed to a reservation may still be being read by those copies: whoever writes
+into a reservation's pages first waits for the copies started so far (`copies_landed`: the data
+service before it answers a Reserve or copies a GPU store, promotion before its reads); nothing
+reads the pool pages after that. Staging buffers are made and
 first-touched on an I/O thread when a block size is first committed, and reused (fs_staging); their
 bytes waiting for the disk are bounded by --fs-queue-size; blocks beyond it are not written (counted
 as skipped; a write-through block skipped is still demoted when it is evicted). (Write-through used to copy on the I/O threads
@@ -132,6 +136,8 @@ class FsTier:
         self.staging = StagingBuffers(settings.queue_bytes)
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
         self.readers = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-read")  # not behind writes
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-copy")  # out of the pool, not behind writes
+        self._copies: set[asyncio.Future] = set()  # copies out of the pool still reading their pages
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._deleted_while_promoted: set[Key] = set()  # not to be committed when their reads return
@@ -213,6 +219,7 @@ class FsTier:
             log.warning("fs jobs still running at shutdown", extra={"jobs": len(self._jobs)})
         await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.copier.shutdown(wait=False, cancel_futures=True)
         self.readers.shutdown(wait=False, cancel_futures=True)
 
     async def keep_index_file(self) -> None:
@@ -299,6 +306,7 @@ class FsTier:
 
     async def _read_and_commit(self, ns: Namespace, reservation: Reservation, paths: list[Path]) -> None:
         try:
+            await self.copies_landed()  # (its pages may have been a victim's, still being copied out)
             outcomes = await asyncio.gather(
                 *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
                 return_exceptions=True,
@@ -422,18 +430,19 @@ class FsTier:
                 return
 
     def _start_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> None:
-        """Copy the block into a staging buffer and start its write, over (or after removing) the files
-        `evicted` for it (index.reserve charged it). Should that fail, the charge and the buffer go
-        back and the evicted files are removed, before the error goes up."""
+        """Start the copy of the block into a staging buffer (`_copy_out`) and its write once copied,
+        over (or after removing) the files `evicted` for it (index.reserve charged it). Should the
+        start fail, the charge and the buffer go back and the evicted files are removed, before the
+        error goes up (a copy that fails later goes the way of a failed write, `_written`)."""
         buffer = None
         try:
             buffer = self.staging.take(stride)
-            page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
-            self.pool.view.read_blocks(page_ids, ns.block_bytes, out=buffer[: ns.block_bytes].reshape(1, -1))
+            copy = self._copy_out(block, ns.block_bytes, buffer)
             job = _Write(ns, block.hash, time.time())
             reuse = next((path for path in evicted if not self._reading[path]), None)
             removal = self._removals.get(self._path_of(ns.id, block.hash))  # of this block's file, from before
-            future = self._run_after(removal, self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
+            write = partial(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
+            future = self._write_once_copied(copy, removal, evicted, write)
         except BaseException:
             self.index.unreserve(ns.block_bytes)
             if buffer is not None:
@@ -444,6 +453,42 @@ class FsTier:
         self._writes[(ns.id, block.hash)] = job
         self._removing_by(evicted, future)
         future.add_done_callback(partial(self._written, job, buffer))
+
+    def _copy_out(self, block: Block, block_bytes: int, buffer: np.ndarray) -> asyncio.Future:
+        """Copy the block's bytes out of its pool pages into `buffer` on the copy thread; the pages may
+        be handed to a reservation meanwhile, whose writers wait for it (`copies_landed`)."""
+        page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
+        out = buffer[:block_bytes].reshape(1, -1)
+        copy = self._run(self.pool.view.read_blocks, page_ids, block_bytes, out, executor=self.copier)
+        self._copies.add(copy)
+        copy.add_done_callback(self._copies.discard)
+        return copy
+
+    async def copies_landed(self) -> None:
+        """Wait for the copies out of the pool started so far (demotions and write-through): once they
+        have landed, the pages of every reservation made so far are the reservation's alone."""
+        if self._copies:
+            await asyncio.wait(set(self._copies))
+
+    def _write_once_copied(
+        self, copy: asyncio.Future, removal: asyncio.Future | None, evicted: list[Path], write
+    ) -> asyncio.Future:
+        """The job of `write` on an I/O thread, started once `copy` has landed and the job `removal`
+        (if any) has ended; a failed copy fails it without writing, and the files `evicted` for the
+        block are removed."""
+        later = asyncio.get_running_loop().create_future()
+        self._jobs.add(later)
+        later.add_done_callback(self._jobs.discard)
+
+        def copied(_: asyncio.Future) -> None:
+            if copy.cancelled() or copy.exception() is not None:
+                self._remove(evicted)
+                _pass_on(later, copy)
+            else:
+                self._run_after(removal, write).add_done_callback(partial(_pass_on, later))
+
+        copy.add_done_callback(copied)
+        return later
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
