@@ -43,7 +43,7 @@ class Tiers:
         """Store a block in the pool, and wait until `on_disk` blocks are on disk (its victim's demotion)."""
         data = contents([block_hash], BLOCK)
         reservation = self.store.reserve("s", self.ns, [block_hash]).reservation
-        await self.fs.copies_landed()  # (as the daemon's Reserve does: the victim's copy has read the pages)
+        await self.fs.copies_landed(reservation.page_ids)  # (as the daemon's Reserve does: the victim's copy has read them)
         self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, self.ns.pages_per_block), data)
         self.store.commit("s", reservation.id, checksum.block_checksums(data))
         self.fs.committed(self.ns, reservation.blocks)  # (as the daemon's Commit does)
@@ -260,8 +260,9 @@ def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
 def test_a_demotions_copy_holds_up_neither_the_event_loop_nor_the_bytes_it_copies(tmp_path):
     """A Reserve evicts A: A's bytes are copied out of its pages on the tier's copy thread (held here)
     while the event loop serves other calls. The Reserve answers, handing A's pages to the caller,
-    only once the copy has read them: the caller's bytes, written at once, do not reach A's file."""
-    a, b, c, d, e = chain_hashes("copy-off-the-loop", 5)
+    only once the copy has read them: the caller's bytes, written at once, do not reach A's file.
+    A Reserve of pages no copy reads (B's, deleted) answers meanwhile."""
+    a, b, c, d, e, f = chain_hashes("copy-off-the-loop", 6)
 
     async def body(t: Tiers) -> None:
         for block_hash in (a, b, c, d):
@@ -279,6 +280,10 @@ def test_a_demotions_copy_holds_up_neither_the_event_loop_nor_the_bytes_it_copie
             assert served.hit_count == 1  # the loop serves calls meanwhile
             await asyncio.sleep(0.05)
             assert not reserve.done() and a not in t.ns.blocks  # A evicted; its copy not done
+            t.store.delete(t.ns, [b])
+            other = pb.ReserveRequest(session_id=session.id, namespace=t.ns.id, hashes=f)
+            free_pages = await asyncio.wait_for(DataService.Reserve.__wrapped__(service, other, None), timeout=5)
+            assert free_pages.page_ids == t.ns.pending[f].pages and not reserve.done()
         finally:
             gate.set()
         response = await asyncio.wait_for(reserve, timeout=10)

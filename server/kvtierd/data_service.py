@@ -309,12 +309,13 @@ class DataService(pb_grpc.KVTierServicer):
     async def _reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
         """Reserve pool pages for the hashes, and return once they are the reservation's alone: the fs
         tier copies the blocks it demotes out of their pages on a thread, while the pages already
-        belong to the reservation that evicted them (`copies_landed`)."""
+        belong to the reservation that evicted them (`copies_landed`). Should the wait end otherwise
+        (the caller's deadline, its session gone), the reservation is aborted."""
         result = self.store.reserve(session_id, ns, hashes)
         if self.fs is None or result.reservation is None:
             return result
         try:
-            await self.fs.copies_landed()
+            await self.fs.copies_landed(result.reservation.page_ids)
             self.store.reservation(session_id, result.reservation.id)  # (still there: its session did not end)
         except BaseException:
             with contextlib.suppress(KVTierError):  # (gone with its session already)

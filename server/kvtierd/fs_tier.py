@@ -8,7 +8,7 @@ each block's bytes into an aligned staging buffer on a copy thread of their own 
 which lets the GIL go: 0.1 to 1 ms per 2 MiB block on this VM, which the event loop used to spend
 itself) and start its write once it is copied, so the disk is busy while the next blocks are
 copied. Pages handed to a reservation may still be being read by those copies: whoever writes
-into a reservation's pages first waits for the copies started so far (`copies_landed`: the data
+into a reservation's pages first waits for the copies that read them (`copies_landed`: the data
 service before it answers a Reserve or copies a GPU store, promotion before its reads); nothing
 reads the pool pages after that. Staging buffers are made and
 first-touched on an I/O thread when a block size is first committed, and reused (fs_staging); their
@@ -117,6 +117,20 @@ class FsHealth:
 
 
 @dataclass(eq=False)
+class _Copy:
+    """A block to copy out of the pool and write: its pages, where its bytes go, its write (a job for
+    an I/O thread), the removal job it must follow (if any), the files evicted for it, and the
+    future of its write."""
+
+    pages: np.ndarray  # [1, pages per block]
+    out: np.ndarray  # [1, block bytes] of its staging buffer
+    write: partial
+    removal: asyncio.Future | None
+    evicted: list[Path]
+    written: asyncio.Future
+
+
+@dataclass(eq=False)
 class _Write:
     namespace: Namespace
     hash: bytes
@@ -138,6 +152,7 @@ class FsTier:
         self.readers = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-read")  # not behind writes
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-copy")  # out of the pool, not behind writes
         self._copies: set[asyncio.Future] = set()  # copies out of the pool still reading their pages
+        self._copied_pages = np.zeros(len(pool.view.pages), dtype=np.int32)  # per pool page: copies reading it
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._deleted_while_promoted: set[Key] = set()  # not to be committed when their reads return
@@ -306,7 +321,7 @@ class FsTier:
 
     async def _read_and_commit(self, ns: Namespace, reservation: Reservation, paths: list[Path]) -> None:
         try:
-            await self.copies_landed()  # (its pages may have been a victim's, still being copied out)
+            await self.copies_landed(reservation.page_ids)  # (they may have been a victim's, still being copied out)
             outcomes = await asyncio.gather(
                 *(self._read(self._path_of(ns.id, b.hash), self._read_into_pool, ns, b) for b in reservation.blocks),
                 return_exceptions=True,
@@ -407,7 +422,7 @@ class FsTier:
         self.staging.keep(future.result())
 
     def _stage_and_write(self, ns: Namespace, blocks: list[Block]) -> None:
-        """Copy each block's bytes out of the pool into a staging buffer and start its write."""
+        """Copy the blocks' bytes out of the pool into staging buffers and write each once it is copied."""
         if self.health.paused:
             self.health.skipped["paused"] += len(blocks)
             return
@@ -417,32 +432,39 @@ class FsTier:
             self.health.skipped["queue_full"] += len(blocks) - room
             blocks = blocks[:room]
         checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
-        for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):  # each write starts once its copy is made
+        copies: list[_Copy] = []
+        for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
             victims = self.index.reserve(ns.block_bytes)
             if victims is None:
                 self.health.skipped["tier_full"] += 1
                 continue
             try:
-                self._start_write(ns, block, checksum, stride, [self._path(v) for v in victims])
+                copies.append(self._staged_write(ns, block, checksum, stride, [self._path(v) for v in victims]))
             except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
                 self.health.skipped["no_memory"] += len(blocks) - i
                 log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
-                return
+                break
+        if copies:
+            self._copy_and_write(ns.block_bytes, copies)
 
-    def _start_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> None:
-        """Start the copy of the block into a staging buffer (`_copy_out`) and its write once copied,
-        over (or after removing) the files `evicted` for it (index.reserve charged it). Should the
-        start fail, the charge and the buffer go back and the evicted files are removed, before the
-        error goes up (a copy that fails later goes the way of a failed write, `_written`)."""
+    def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> _Copy:
+        """A block's write from a staging buffer, over (or after removing) the files `evicted` for it
+        (index.reserve charged it), to start once its copy is made (`_copy_and_write`). Should this
+        fail, the charge and the buffer go back and the evicted files are removed, before the error
+        goes up (a copy or write that fails later goes the way of a failed write, `_written`)."""
         buffer = None
         try:
             buffer = self.staging.take(stride)
-            copy = self._copy_out(block, ns.block_bytes, buffer)
             job = _Write(ns, block.hash, time.time())
             reuse = next((path for path in evicted if not self._reading[path]), None)
-            removal = self._removals.get(self._path_of(ns.id, block.hash))  # of this block's file, from before
-            write = partial(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse])
-            future = self._write_once_copied(copy, removal, evicted, write)
+            copy = _Copy(
+                pages=np.frombuffer(block.pages, dtype="<u4").reshape(1, -1),
+                out=buffer[: ns.block_bytes].reshape(1, -1),
+                write=partial(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse]),
+                removal=self._removals.get(self._path_of(ns.id, block.hash)),  # of this block's file, from before
+                evicted=evicted,
+                written=asyncio.get_running_loop().create_future(),
+            )
         except BaseException:
             self.index.unreserve(ns.block_bytes)
             if buffer is not None:
@@ -450,45 +472,65 @@ class FsTier:
             if evicted:
                 self._remove(evicted)
             raise
+        self._jobs.add(copy.written)
+        copy.written.add_done_callback(self._jobs.discard)
         self._writes[(ns.id, block.hash)] = job
-        self._removing_by(evicted, future)
-        future.add_done_callback(partial(self._written, job, buffer))
-
-    def _copy_out(self, block: Block, block_bytes: int, buffer: np.ndarray) -> asyncio.Future:
-        """Copy the block's bytes out of its pool pages into `buffer` on the copy thread; the pages may
-        be handed to a reservation meanwhile, whose writers wait for it (`copies_landed`)."""
-        page_ids = np.frombuffer(block.pages, dtype="<u4").reshape(1, -1)
-        out = buffer[:block_bytes].reshape(1, -1)
-        copy = self._run(self.pool.view.read_blocks, page_ids, block_bytes, out, executor=self.copier)
-        self._copies.add(copy)
-        copy.add_done_callback(self._copies.discard)
+        self._removing_by(evicted, copy.written)
+        copy.written.add_done_callback(partial(self._written, job, buffer))
         return copy
 
-    async def copies_landed(self) -> None:
-        """Wait for the copies out of the pool started so far (demotions and write-through): once they
-        have landed, the pages of every reservation made so far are the reservation's alone."""
-        if self._copies:
-            await asyncio.wait(set(self._copies))
+    def _copy_and_write(self, block_bytes: int, copies: list[_Copy]) -> None:
+        """Copy the blocks out of their pool pages on the copy thread, which hands each block's write to
+        an I/O thread as soon as it is copied, so writes start while the event loop still works
+        through a large eviction (a write that must wait for a `removal` job is started from the loop
+        instead). The pages may be handed to a reservation meanwhile, whose writers wait for the
+        copies (`copies_landed`). A block whose copy fails is not written, and the files evicted for
+        it are removed."""
 
-    def _write_once_copied(
-        self, copy: asyncio.Future, removal: asyncio.Future | None, evicted: list[Path], write
-    ) -> asyncio.Future:
-        """The job of `write` on an I/O thread, started once `copy` has landed and the job `removal`
-        (if any) has ended; a failed copy fails it without writing, and the files `evicted` for the
-        block are removed."""
-        later = asyncio.get_running_loop().create_future()
-        self._jobs.add(later)
-        later.add_done_callback(self._jobs.discard)
+        def copy_then_write() -> list:  # on the copy thread: per block, its write's future or its failure
+            outcomes = []
+            for copy in copies:
+                try:
+                    self.pool.view.read_blocks(copy.pages, block_bytes, copy.out)
+                except Exception as exc:  # noqa: BLE001 (this block goes unwritten; the others go on)
+                    outcomes.append(exc)
+                    continue
+                try:
+                    outcomes.append(self.executor.submit(copy.write) if copy.removal is None else None)
+                except RuntimeError:  # the I/O threads are shut down
+                    outcomes.append(TierClosed("the fs tier is closed"))
+            return outcomes
+
+        pages = np.concatenate([copy.pages.ravel() for copy in copies])
+        job = self._run(copy_then_write, executor=self.copier)
+        self._copies.add(job)
+        self._copied_pages[pages] += 1  # (the blocks' pages are distinct)
 
         def copied(_: asyncio.Future) -> None:
-            if copy.cancelled() or copy.exception() is not None:
-                self._remove(evicted)
-                _pass_on(later, copy)
-            else:
-                self._run_after(removal, write).add_done_callback(partial(_pass_on, later))
+            self._copies.discard(job)
+            self._copied_pages[pages] -= 1
+            if job.cancelled() or job.exception() is not None:  # (its thread is shut down: the tier closed)
+                for copy in copies:
+                    self._remove(copy.evicted)
+                    _pass_on(copy.written, job)
+                return
+            for copy, outcome in zip(copies, job.result(), strict=True):
+                if isinstance(outcome, BaseException):
+                    self._remove(copy.evicted)
+                    copy.written.set_exception(outcome)
+                elif outcome is None:
+                    self._run_after(copy.removal, copy.write).add_done_callback(partial(_pass_on, copy.written))
+                else:
+                    asyncio.wrap_future(outcome).add_done_callback(partial(_pass_on, copy.written))
 
-        copy.add_done_callback(copied)
-        return later
+        job.add_done_callback(copied)
+
+    async def copies_landed(self, page_ids: bytes) -> None:
+        """Wait until no copy out of the pool (a demotion, a write-through) still reads any of these
+        pages (a reservation's `page_ids`): they are the reservation's alone from then on."""
+        pages = np.frombuffer(page_ids, dtype="<u4")
+        while self._copied_pages[pages].any():
+            await asyncio.wait(set(self._copies), return_when=asyncio.FIRST_COMPLETED)
 
     def _wanted(self, ns: Namespace, block_hash: bytes) -> bool:
         return self.index.get(ns.id, block_hash) is None and (ns.id, block_hash) not in self._writes
