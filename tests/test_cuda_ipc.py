@@ -130,7 +130,7 @@ def test_a_registration_serves_only_its_own_namespace():
     from kvtierd.gpu_transfers import CudaRegistration, GpuTransfers
 
     transfers = GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
-    transfers._registrations["reg"] = CudaRegistration("reg", "session", "ns-a", 0, [], None, 4, None)
+    transfers._registrations["reg"] = CudaRegistration("reg", "session", "ns-a", 0, [], None, 4, [])
     assert transfers.registration("session", "reg", "ns-a").namespace_id == "ns-a"
     with pytest.raises(InvalidArgument, match="for namespace ns-a, not ns-b"):
         transfers.registration("session", "reg", "ns-b")

@@ -135,7 +135,7 @@ def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_lo
     async def main():
         loop = asyncio.get_running_loop()
         transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
-        registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, None)
+        registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, [])
         transfers._registrations[registration.id] = registration
         transfers._next_lane[0] = itertools.cycle([Lane("cuda:0", "a")])
         enqueued = CopyEndingAt(loop.time() + 0.030)
