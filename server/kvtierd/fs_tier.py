@@ -151,6 +151,7 @@ class FsTier:
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs")
         self.readers = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-read")  # not behind writes
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-copy")  # out of the pool, not behind writes
+        self.indexer = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-index")  # index files, not behind writes
         self._copies: set[asyncio.Future] = set()  # copies out of the pool still reading their pages
         self._copied_pages = np.zeros(len(pool.view.pages), dtype=np.int32)  # per pool page: copies reading it
         self._writes: dict[Key, _Write] = {}
@@ -235,6 +236,7 @@ class FsTier:
         await self.save_index()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.copier.shutdown(wait=False, cancel_futures=True)
+        self.indexer.shutdown(wait=False, cancel_futures=True)
         self.readers.shutdown(wait=False, cancel_futures=True)
 
     async def keep_index_file(self) -> None:
@@ -247,13 +249,14 @@ class FsTier:
         """Write the index file (fs_snapshot) unless nothing changed since the last one. The directories'
         mtimes are taken first, then those with writes or removals in flight are left out, then the hashes copied,
         then the directories renamed into or removed from since the last index file are fsync'd, so
-        the names on disk are those the file records."""
+        the names on disk are those the file records. All on a thread of its own: behind a queue of
+        writes, a heavy burst would keep the index file from being written until it ends."""
         changes = self.index.changes
         if changes == self._saved_changes:
             return
         started = time.perf_counter()
         try:
-            mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT)
+            mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT, executor=self.indexer)
             for ns_id, block_hash in self._writes:
                 mtimes.get(ns_id, {}).pop(fanout_of(block_hash), None)
             for directory in {path.parent for path in self._removals}:  # (a crash before it: a file unlisted)
@@ -261,11 +264,11 @@ class FsTier:
             hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
             unsynced, self._unsynced = self._unsynced, set()
             try:
-                await self._run(_fsync_directories, unsynced)
+                await self._run(_fsync_directories, unsynced, executor=self.indexer)
             except OSError:
                 self._unsynced |= unsynced
                 raise
-            await self._run(write_index_file, self.root, mtimes, hashes, fanout_of)
+            await self._run(write_index_file, self.root, mtimes, hashes, fanout_of, executor=self.indexer)
         except (OSError, TierClosed) as exc:
             log.warning("cannot write the fs index file", extra={"reason": str(exc)})
             return
