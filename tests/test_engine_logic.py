@@ -187,6 +187,29 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
         restarted.stop()
 
 
+def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
+    """No call is made while kvtierd restarts: the link still opens a new session and registers its
+    namespace within a few reconnect intervals, so the engine's first requests afterwards find it
+    (they are not misses, and its stores are not skipped as sent to a daemon that is down)."""
+    daemon = start_daemon("--pool-size", "32MiB")
+    link = DaemonLink(daemon.address, "pytest-idle", timeout=1.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        first = link.submit(lambda client, ns: client.state.session_id).result()
+        daemon.stop()
+        restarted = type(daemon)(daemon.directory, daemon.args).start()
+        try:
+            wait(lambda: any(e.namespaces for e in restarted.admin("ListEngines").engines), timeout=10)
+            assert link.connects == 2 and link.available
+            assert link.submit(lambda client, ns: client.state.session_id).result() != first
+            assert link.connects == 2  # (that call found the session open)
+        finally:
+            restarted.stop()
+    finally:
+        link.close()
+        link.close()  # (again: nothing more)
+
+
 def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     """A request that arrives while the link is still connecting is asked again, not answered "miss"."""
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers

@@ -197,6 +197,15 @@ def wait_for_blocks(daemon: DaemonProcess, count: int, timeout: float = 30) -> i
     return blocks
 
 
+def reconnected(daemon: DaemonProcess, sessions: int, timeout: float = 30) -> None:
+    """Wait until `sessions` engine sessions (a vLLM engine's scheduler and worker) have registered
+    their namespace with this daemon."""
+    deadline = time.monotonic() + timeout
+    while sum(bool(e.namespaces) for e in daemon.admin("ListEngines").engines) < sessions:
+        assert time.monotonic() < deadline, "the engine did not reconnect"
+        time.sleep(0.05)
+
+
 def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
     """Case 5: the engine never fails a request, reconnects by itself, and hits resume after a restart."""
     directory = new_daemon_dir()
@@ -219,6 +228,7 @@ def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
         flags[1].touch()
         engine.wait_for_line("WAITING 3")
         daemon = DaemonProcess(directory, ["--pool-size", "128MiB"]).start()
+        reconnected(daemon, sessions=2)  # by itself, with no request to make meanwhile
         flags[2].touch()
         result = engine.result()
         for phase, outputs in zip(phases, result["phases"], strict=True):

@@ -5,7 +5,9 @@ unless they choose to wait (with a bound). When the daemon is absent, restarting
 fail fast (their Future raises `DaemonUnavailable`), the link retries the connection at most once per
 `reconnect_interval` after a failed attempt (a connect still under way is not "down": callers wait for
 it like for any other answer), and after a restart it opens a new session, registers its namespace again and
-maps the new pool by itself.
+maps the new pool by itself. It does so in the background too, every `reconnect_interval` while it has no
+live session (a watcher thread), so an engine idle while kvtierd restarted finds it connected again,
+not missing its first requests' lookups and stores.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class DaemonLink:
         self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
         self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._reconnect_queued = threading.Event()  # a background reconnect waits on the link thread
         self.connects = 0
+        threading.Thread(target=self._keep_connected, name="kvtier-link-watch", daemon=True).start()
 
     def set_namespace_spec(self, spec: pb.NamespaceSpec) -> None:
         """The namespace every call works in; registered on every (re)connect."""
@@ -103,6 +108,26 @@ class DaemonLink:
 
         self._executor.submit(connect)
 
+    def _keep_connected(self) -> None:
+        """Every reconnect_interval until closed: with no live session (lost, or never opened because
+        the daemon was absent), queue a reconnect on the link thread (at most one at a time)."""
+        while not self._closing.wait(self.reconnect_interval):
+            client = self._client
+            if (client is not None and client.connected) or self._reconnect_queued.is_set():
+                continue
+            self._reconnect_queued.set()
+            try:
+                self._executor.submit(self._reconnect)
+            except RuntimeError:  # shut down
+                return
+
+    def _reconnect(self) -> None:
+        self._reconnect_queued.clear()
+        try:
+            self._connected()
+        except DaemonUnavailable:
+            pass  # (down until the next try; or connected, with no namespace to register yet)
+
     def _connected(self) -> tuple[KVTierClient, Namespace]:
         client = self._session()
         with self._lock:
@@ -157,5 +182,9 @@ class DaemonLink:
                 pass
 
     def close(self) -> None:
+        """End the session and stop the link (again: nothing more)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
         self._executor.submit(self._drop, "engine shutting down", True).result(timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
