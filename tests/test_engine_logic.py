@@ -210,6 +210,17 @@ def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
         link.close()  # (again: nothing more)
 
 
+def test_a_link_closed_after_its_thread_stopped_still_ends_its_session(daemon):
+    """vLLM shuts connectors down from a finalizer at interpreter exit, after Python has stopped the
+    link's thread: closing then ends the session all the same, without raising."""
+    link = DaemonLink(daemon.address, "pytest-exit", timeout=1.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    link.submit(lambda client, ns: ns.id).result()
+    link._executor.shutdown()  # as interpreter exit leaves it
+    link.close()
+    wait(lambda: not daemon.admin("ListEngines").engines, timeout=10)
+
+
 def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     """A request that arrives while the link is still connecting is asked again, not answered "miss"."""
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers

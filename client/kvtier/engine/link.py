@@ -186,5 +186,8 @@ class DaemonLink:
         if self._closing.is_set():
             return
         self._closing.set()
-        self._executor.submit(self._drop, "engine shutting down", True).result(timeout=5)
+        try:
+            self._executor.submit(self._drop, "engine shutting down", True).result(timeout=5)
+        except RuntimeError:  # the interpreter is exiting (vLLM shuts connectors down from a finalizer):
+            self._drop("engine shutting down", expected=True)  # its threads have stopped
         self._executor.shutdown(wait=False, cancel_futures=True)
