@@ -275,6 +275,10 @@ class BlockStore:
         lease.blocks.extend(more)
         return lease
 
+    def renew(self, hold: Hold) -> None:
+        """Start a lease's or reservation's time to live again (its holder was kept waiting)."""
+        hold.expires_at = self._clock() + self.lease_ttl
+
     def note_loaded(self, lease: Lease) -> None:
         lease.namespace.counters.loaded_blocks += len(lease.blocks)
 

@@ -316,7 +316,7 @@ class DataService(pb_grpc.KVTierServicer):
             return result
         try:
             await self.fs.copies_landed(result.reservation.page_ids)
-            self.store.reservation(session_id, result.reservation.id)  # (still there: its session did not end)
+            self.store.renew(self.store.reservation(session_id, result.reservation.id))  # (its session did not end)
         except BaseException:
             with contextlib.suppress(KVTierError):  # (gone with its session already)
                 self.store.abort(session_id, result.reservation.id)

@@ -436,19 +436,21 @@ class FsTier:
             blocks = blocks[:room]
         checksums = self.store.checksum[[b.slot for b in blocks]].tolist()
         copies: list[_Copy] = []
-        for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
-            victims = self.index.reserve(ns.block_bytes)
-            if victims is None:
-                self.health.skipped["tier_full"] += 1
-                continue
-            try:
-                copies.append(self._staged_write(ns, block, checksum, stride, [self._path(v) for v in victims]))
-            except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
-                self.health.skipped["no_memory"] += len(blocks) - i
-                log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
-                break
-        if copies:
-            self._copy_and_write(ns.block_bytes, copies)
+        try:
+            for i, (block, checksum) in enumerate(zip(blocks, checksums, strict=True)):
+                victims = self.index.reserve(ns.block_bytes)
+                if victims is None:
+                    self.health.skipped["tier_full"] += 1
+                    continue
+                try:
+                    copies.append(self._staged_write(ns, block, checksum, stride, [self._path(v) for v in victims]))
+                except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
+                    self.health.skipped["no_memory"] += len(blocks) - i
+                    log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
+                    break
+        finally:  # (the writes staged so far go ahead whatever stopped the loop)
+            if copies:
+                self._copy_and_write(ns.block_bytes, copies)
 
     def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> _Copy:
         """A block's write from a staging buffer, over (or after removing) the files `evicted` for it

@@ -122,7 +122,9 @@ class DaemonLink:
                 return
 
     def _reconnect(self) -> None:
+        """The watcher's attempt: it paces the retries itself, so it does not wait out the down window."""
         self._reconnect_queued.clear()
+        self._down_until = 0.0
         try:
             self._connected()
         except DaemonUnavailable:
@@ -153,6 +155,8 @@ class DaemonLink:
             self._drop("session ended")
             client = None
         if client is None:
+            if self._closing.is_set():  # (a call or reconnect queued before close must not open a session)
+                raise DaemonUnavailable("the link is closed")
             if time.monotonic() < self._down_until:
                 raise DaemonUnavailable("kvtierd unreachable; retrying shortly")
             try:
@@ -188,6 +192,7 @@ class DaemonLink:
         self._closing.set()
         try:
             self._executor.submit(self._drop, "engine shutting down", True).result(timeout=5)
-        except RuntimeError:  # the interpreter is exiting (vLLM shuts connectors down from a finalizer):
-            self._drop("engine shutting down", expected=True)  # its threads have stopped
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        except (RuntimeError, TimeoutError):  # the interpreter is exiting (vLLM shuts connectors down from a
+            self._drop("engine shutting down", expected=True)  # finalizer), or the link thread is stuck in a call
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
