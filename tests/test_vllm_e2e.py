@@ -221,6 +221,7 @@ def test_daemon_absent_killed_and_restarted(model, workdir, baseline):
     try:
         engine.wait_for_line("WAITING 1")
         daemon.start()
+        reconnected(daemon, sessions=2)  # by itself: it retries in the background while kvtierd is absent
         flags[0].touch()
         engine.wait_for_line("WAITING 2")
         assert wait_for_blocks(daemon, len(SHARED[1]["tokens"]) // BLOCK) == len(SHARED[1]["tokens"]) // BLOCK
