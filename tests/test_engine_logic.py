@@ -210,6 +210,26 @@ def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
         link.close()  # (again: nothing more)
 
 
+def test_a_call_right_after_a_restart_is_not_skipped_for_the_background_retries(start_daemon):
+    """The link is idle while kvtierd is down, retrying in the background. Those retries fail, but they
+    do not mark the link down for calls: the first call after the daemon is back connects at once."""
+    daemon = start_daemon("--pool-size", "32MiB")
+    link = DaemonLink(daemon.address, "pytest-back", timeout=1.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        link.submit(lambda client, ns: ns.id).result()
+        daemon.stop()
+        time.sleep(0.7)  # a few background retries fail meanwhile
+        restarted = type(daemon)(daemon.directory, daemon.args).start()
+        try:
+            assert link.available
+            assert link.submit(lambda client, ns: ns.id).result(timeout=10)
+        finally:
+            restarted.stop()
+    finally:
+        link.close()
+
+
 def test_a_link_closed_after_its_thread_stopped_still_ends_its_session(daemon):
     """vLLM shuts connectors down from a finalizer at interpreter exit, after Python has stopped the
     link's thread: closing then ends the session all the same, without raising."""

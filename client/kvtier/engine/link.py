@@ -122,13 +122,17 @@ class DaemonLink:
                 return
 
     def _reconnect(self) -> None:
-        """The watcher's attempt: it paces the retries itself, so it does not wait out the down window."""
+        """The watcher's attempt. It paces the retries itself, so it neither waits out the down window
+        nor extends it: the window is the calls' (after a call failed, the next ones skip the daemon
+        for reconnect_interval), and a call that comes right after the daemon is back, while the link
+        was idle, connects at once instead of being skipped because of a background attempt."""
         self._reconnect_queued.clear()
-        self._down_until = 0.0
+        calls_down_until, self._down_until = self._down_until, 0.0
         try:
             self._connected()
         except DaemonUnavailable:
-            pass  # (down until the next try; or connected, with no namespace to register yet)
+            if self._client is None:  # (else connected, with no namespace to register yet)
+                self._down_until = calls_down_until
 
     def _connected(self) -> tuple[KVTierClient, Namespace]:
         client = self._session()
