@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -119,7 +120,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         return response
 
     @unary
-    def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:  # noqa: N802
+    async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:  # noqa: N802
         ns = self.store.namespace(request.namespace) if request.namespace else None
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         if page_size > MAX_PAGE_SIZE:
@@ -129,9 +130,17 @@ class AdminService(pb_grpc.KVTierAdminServicer):
             raise InvalidArgument(f"bad page_token {request.page_token!r}")
         offset = int(token)
         tier = self._tier(request.tier)
-        store = self.store
-        blocks = list(store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
+        blocks = list(self.store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
         entries = self.fs.index.entries(ns.id if ns else None) if self.fs is not None and tier in ("", FS_TIER) else []
+        return await asyncio.to_thread(self._blocks_page, blocks, entries, request.order, offset, page_size)
+
+    def _blocks_page(  # noqa: PLR0913
+        self, blocks: list[Block], entries: list[FsEntry], order_by: int, offset: int, page_size: int
+    ) -> pb.ListBlocksResponse:
+        """The page of these blocks (lists taken on the event loop) in the order asked for. On a thread:
+        ranking a million disk entries takes a few hundred ms here, during which the event loop goes
+        on serving (between the GIL's switches) instead of stopping every engine's calls."""
+        store = self.store
         slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
         last_access = np.concatenate(
             [store.last_access[slots], np.fromiter((e.last_access for e in entries), dtype=np.float64, count=len(entries))]
@@ -139,7 +148,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         hits = np.concatenate(
             [store.hits[slots].astype(np.int64), np.fromiter((e.hits for e in entries), dtype=np.int64, count=len(entries))]
         )
-        if request.order == pb.BLOCK_ORDER_HITS:
+        if order_by == pb.BLOCK_ORDER_HITS:
             order = np.lexsort((-last_access, -hits))
         else:
             order = np.argsort(-last_access, kind="stable")
