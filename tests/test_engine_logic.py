@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -187,22 +188,20 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
         restarted.stop()
 
 
-def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
-    """No call is made while kvtierd restarts: the link still opens a new session and registers its
-    namespace within a few reconnect intervals, so the engine's first requests afterwards find it
-    (they are not misses, and its stores are not skipped as sent to a daemon that is down)."""
+@contextlib.contextmanager
+def idle_through_a_restart(start_daemon, idle_s: float = 0.0, reconnect_interval: float = 0.2):
+    """A connected link (its namespace registered) that makes no call while kvtierd stops, stays
+    down `idle_s` and starts again: (the link, the restarted daemon, the first session's id)."""
     daemon = start_daemon("--pool-size", "32MiB")
-    link = DaemonLink(daemon.address, "pytest-idle", timeout=1.0, reconnect_interval=0.2)
+    link = DaemonLink(daemon.address, "pytest-idle", timeout=1.0, reconnect_interval=reconnect_interval)
     link.set_namespace_spec(engine_spec())
     try:
         first = link.submit(lambda client, ns: client.state.session_id).result()
         daemon.stop()
+        time.sleep(idle_s)
         restarted = type(daemon)(daemon.directory, daemon.args).start()
         try:
-            wait(lambda: any(e.namespaces for e in restarted.admin("ListEngines").engines), timeout=10)
-            assert link.connects == 2 and link.available
-            assert link.submit(lambda client, ns: client.state.session_id).result() != first
-            assert link.connects == 2  # (that call found the session open)
+            yield link, restarted, first
         finally:
             restarted.stop()
     finally:
@@ -210,24 +209,25 @@ def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
         link.close()  # (again: nothing more)
 
 
+def test_an_idle_link_reconnects_by_itself_after_a_restart(start_daemon):
+    """No call is made while kvtierd restarts: the link still opens a new session and registers its
+    namespace within a few reconnect intervals, so the engine's first requests afterwards find it
+    (they are not misses, and its stores are not skipped as sent to a daemon that is down)."""
+    with idle_through_a_restart(start_daemon) as (link, restarted, first):
+        wait(lambda: any(e.namespaces for e in restarted.admin("ListEngines").engines), timeout=10)
+        assert link.connects == 2 and link.available
+        assert link.submit(lambda client, ns: client.state.session_id).result() != first
+        assert link.connects == 2  # (that call found the session open)
+
+
 def test_a_call_right_after_a_restart_is_not_skipped_for_the_background_retries(start_daemon):
     """The link is idle while kvtierd is down, retrying in the background. Those retries fail, but they
-    do not mark the link down for calls: the first call after the daemon is back connects at once."""
-    daemon = start_daemon("--pool-size", "32MiB")
-    link = DaemonLink(daemon.address, "pytest-back", timeout=1.0, reconnect_interval=0.2)
-    link.set_namespace_spec(engine_spec())
-    try:
-        link.submit(lambda client, ns: ns.id).result()
-        daemon.stop()
-        time.sleep(0.7)  # a few background retries fail meanwhile
-        restarted = type(daemon)(daemon.directory, daemon.args).start()
-        try:
-            assert link.available
-            assert link.submit(lambda client, ns: ns.id).result(timeout=10)
-        finally:
-            restarted.stop()
-    finally:
-        link.close()
+    do not mark the link down for calls: the first call after the daemon is back connects at once.
+    (With retries a second apart, the last one failed less than a second before that call, and the
+    next one has most likely not yet reconnected the link by itself.)"""
+    with idle_through_a_restart(start_daemon, idle_s=1.5, reconnect_interval=1.0) as (link, _, first):
+        assert link.available
+        assert link.submit(lambda client, ns: client.state.session_id).result(timeout=10) != first
 
 
 def test_a_link_closed_after_its_thread_stopped_still_ends_its_session(daemon):
