@@ -186,7 +186,7 @@ def test_file_jobs_started_after_the_tier_closed_fail_instead_of_hanging(tmp_pat
         removal = asyncio.get_running_loop().create_future()
         later = t.fs._run_after(removal, os.getpid)
         removal.set_result(None)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(fs_tier.TierClosed):
             await asyncio.wait_for(later, timeout=5)
 
     run_with_tiers(tmp_path, body)
