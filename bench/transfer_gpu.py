@@ -175,9 +175,11 @@ def main() -> None:
         "prefix_load_vs_memcpy": max(layouts[lay]["prefix_load_ms"] for lay in layouts) / prefix_memcpy_ms,
         "daemon_gpu_memory_mib": daemon_mib,
         "copy_paths": "stores: one Triton kernel launch per call (copy + checksum), the kernel working out every "
-        "segment's addresses from the block ids and pool pages; loads into BLHNC from consecutive pool pages: the copy "
-        "engines (cuMemcpyBatchAsync) in three shrinking chunks, each checksummed in HBM while the next moves; other "
-        "loads: the kernel. The daemon's event loop polls each copy from shortly before it can have ended",
+        "segment's addresses from the block ids and pool pages; loads from consecutive pool pages: the copy engines, "
+        "in chunks each checksummed in HBM while the next moves (BLHNC: runs of whole blocks, cuMemcpyBatchAsync, in "
+        "three shrinking chunks; LBHNC: for chunks of 64 or more consecutive blocks, one 2-D copy per layer, "
+        "cuMemcpy2DAsync); other loads: the kernel. The daemon's event loop polls each copy from shortly before it "
+        "can have ended",
         "layouts": layouts,
     }
     command = "python bench/transfer_gpu.py" + (f" --rounds {rounds}" if rounds != 10 else "")

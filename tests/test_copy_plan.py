@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier import checksum  # noqa: E402
-from kvtier.copy_plan import WORD, Run, SegmentTemplate, coalesce  # noqa: E402
+from kvtier.copy_plan import WORD, Run, SegmentTemplate, coalesce, consecutive  # noqa: E402
 from kvtier.engine.gpu_kv import block_runs  # noqa: E402
 
 PAGE = 4096
@@ -150,3 +150,40 @@ def test_stretches_gpu_side_for_block_outermost_caches_pool_side_for_consecutive
     pool = layer_major.pool_stretches(POOL_BASE, consecutive, PAGE)
     assert np.array_equal(pool - POOL_BASE, np.array([0, 4, 8, 12]) * PAGE)
     assert layer_major.pool_stretches(POOL_BASE, scattered, PAGE) is None
+
+
+@pytest.mark.parametrize("head_size", [32, 40])
+def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(head_size):
+    """A layer-major cache's blocks 3, 4 and 5 in consecutive pool pages: one 2-D copy per run (a row
+    per block, rows a block's pages apart in the pool: with head size 40 each block's last page has
+    an unused tail) moves exactly the bytes the kernel's segments move."""
+    buffer, views, _ = vllm_033_cache("LBHNC", head_size=head_size)
+    template = SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE)
+    pages_per_block = -(-template.block_bytes // PAGE)
+    page_ids = np.arange(8, 8 + 3 * pages_per_block).reshape(3, pages_per_block)
+    blocks = np.array([3, 4, 5])
+    pool_blocks = template.pool_stretches(POOL_BASE, page_ids, PAGE)
+    span = pages_per_block * PAGE
+    assert consecutive(blocks, pool_blocks, span)
+
+    runs = template.strided_runs(np.array([GPU_BASE]), 3, int(pool_blocks[0]))
+
+    assert len(runs.gpu) == 3  # one copy per layer
+    memory = buffer.view(torch.uint8).numpy()
+    by_segment, by_copy = np.zeros(64 * PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
+    run_segments(template, memory, by_segment, blocks, page_ids)
+    for gpu, gpu_pitch, host, width in zip(runs.gpu, runs.gpu_pitch, runs.pool, runs.width, strict=True):
+        for row in range(len(blocks)):
+            src, dst = gpu - GPU_BASE + row * gpu_pitch, host - POOL_BASE + row * span
+            by_copy[dst : dst + width] = memory[src : src + width]
+    assert by_copy.any() and np.array_equal(by_copy, by_segment)
+
+
+def test_consecutive_blocks_follow_each_other_on_both_sides():
+    span = 4 * PAGE
+    pool = POOL_BASE + np.array([0, 1, 2]) * span
+    assert consecutive(np.array([7, 8, 9]), pool, span)
+    assert consecutive(np.array([7]), pool[:1], span)
+    assert not consecutive(np.array([7, 9, 10]), pool, span)  # a gap on the GPU
+    assert not consecutive(np.array([7, 8, 9]), pool[[0, 2, 1]], span)  # out of order in the pool
+    assert not consecutive(np.array([7, 8, 9]), pool * 2 - POOL_BASE, span)  # stretches further apart

@@ -1,7 +1,8 @@
 """gpu_copy between a GPU KV cache and a mapped pool, as the shm fallback and the daemon run it:
-stores through the copy kernel; loads into a block-outermost cache from consecutive pool pages through
-the copy engines in chunks (then a checksum pass on the GPU side), other loads through the kernel; all
-byte-exact with kvtier.checksum's checksums, and never a kernel form the warm-up did not compile."""
+stores through the copy kernel; loads from consecutive pool pages through the copy engines in chunks
+(runs of whole blocks of a block-outermost cache, 2-D copies of a run of consecutive blocks in the
+other layouts; then a checksum pass on the GPU side), other loads through the kernel; all byte-exact
+with kvtier.checksum's checksums, and never a kernel form the warm-up did not compile."""
 
 from __future__ import annotations
 
@@ -57,20 +58,21 @@ def block_bytes_of(view: torch.Tensor) -> torch.Tensor:
 
 @gpu
 @pytest.mark.parametrize(
-    ("layout", "pages", "dma"),
+    ("layout", "pages", "dma_chunks"),
     [
-        ("BLHNC", "consecutive", True),
-        ("BLHNC", "scattered", False),
-        ("LBHNC", "consecutive", False),
-        ("split", "scattered", False),
+        ("BLHNC", "consecutive", 4 + 4 + 1 + 2),
+        ("BLHNC", "scattered", 0),
+        ("LBHNC", "consecutive", 4 + 1 + 0 + 1),
+        ("split", "consecutive", 2 + 0 + 0 + 0),
+        ("split", "scattered", 0),
     ],
 )
-def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma, monkeypatch):
+def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dma_chunks, monkeypatch):
     from kvtier import cuda_dma, gpu_copy  # noqa: PLC0415 (needs triton)
     from kvtier.copy_plan import SegmentTemplate  # noqa: PLC0415
     from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415
 
-    if dma and not cuda_dma.available():
+    if dma_chunks and not cuda_dma.available():
         pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
     views, block_bytes = kv_cache(layout)
     kv = GpuKV(list(views.values()), 64)
@@ -92,14 +94,21 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     bases = np.array([s.data_ptr() for s in kv.storages], dtype=np.int64)
     device = next(iter(views.values())).device
     gpu_layout = gpu_copy.GpuLayout.on(SegmentTemplate.build([r.run for r in kv.runs], PAGE), bases, PAGE, device)
-    # a daemon's lane, taking runs of one 256 KiB block through the copy engines (watched: the real
-    # driver call, counted): 16 blocks and 5 blocks in four chunks each (2 + 12 + 1 + 1, 2 + 1 + 1 + 1),
-    # one block in one, the eight blocks in four of which the two holding blocks 5 and 6 go through
-    # the kernel (2 + 4 + 1 + 1); two batches on one lane, each waited for alone; and one with no block
+    # a daemon's lane, taking copies of a block's size or more through the copy engines (watched: the
+    # real driver calls, counted per chunk). A block-outermost cache (one run of 256 KiB a block): 16
+    # blocks and 5 blocks in four chunks each (2 + 12 + 1 + 1, 2 + 1 + 1 + 1), one block in one, the
+    # eight blocks in four of which the two holding blocks 5 and 6 go through the kernel (2 + 4 + 1 +
+    # 1). Layer-major (4 runs of 64 KiB, one 2-D copy each a chunk): chunks of 4 blocks or more (16
+    # blocks in 4, 5 in 1; one block, and the chunk holding blocks 5 and 6, through the kernel).
+    # vLLM 0.32's (8 runs of 10 KiB, a block every 3 pages of 32 KiB in the pool): chunks of 8
+    # blocks or more (16 blocks in 2). Two batches on one lane, each waited for alone; and one with
+    # no block.
     monkeypatch.setattr(gpu_copy, "DMA_MIN_MEAN_RUN_BYTES", block_bytes)
+    monkeypatch.setattr(gpu_copy, "DMA_MIN_STRIDED_BYTES", block_bytes)
     monkeypatch.setattr(gpu_copy, "HEAD_BYTES", 2 * block_bytes)
     dma_calls = []
     monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
+    monkeypatch.setattr(cuda_dma, "copy_2d", lambda *args, real=cuda_dma.copy_2d: dma_calls.append(real(*args)))
     lane = gpu_copy.CopyLane.on(device)
 
     def launch_load(blocks: np.ndarray, pages: np.ndarray):
@@ -108,7 +117,7 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     sixteen = launch_load(np.arange(32, 48), page_ids)
     five, one = launch_load(np.arange(56, 61), page_ids[:5]), launch_load(np.arange(61, 62), page_ids[7:8])
     mixed = launch_load(np.arange(48, 56), mixed_pages).wait()
-    assert len(dma_calls) == (4 + 4 + 1 + 2 if dma else 0)
+    assert len(dma_calls) == dma_chunks
     with ThreadPoolExecutor(1) as other:
         five = other.submit(five.wait).result()
     one, sixteen = one.wait(), sixteen.wait()

@@ -11,7 +11,9 @@ b * block_stride`, pool `pool_base + p[page] * page_size + page_offset`); no Pyt
 or segments. The copy kernel runs one program per segment; the copy engines take runs:
 whole blocks that are one stretch in the pool (`pool_stretches`) and, for block-outermost caches, on
 the GPU (`gpu_stretches`), merged where they continue each other (`coalesce`: blocks in consecutive
-pool pages give one run per stretch of consecutive blocks).
+pool pages give one run per stretch of consecutive blocks); for other caches, blocks that follow
+each other on both sides move one run of a block at a time, as 2-D copies of a row per block
+(`strided_runs`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class SegmentTemplate:
     page_offset: np.ndarray  # int64
     words: np.ndarray  # int64: segment length in 64-bit words
     first_word: np.ndarray  # int64: position of the segment's first word in the block (checksum weights)
-    one_run: bool  # a block is one run of GPU memory (block-outermost layouts)
+    runs: np.ndarray  # int64 [5, runs]: each run's allocation, offset, block_stride, size, position in the block
 
     @classmethod
     def build(cls, runs: list[Run], page_size: int) -> SegmentTemplate:
@@ -68,12 +70,27 @@ class SegmentTemplate:
             page_offset=cuts % page_size,
             words=length // WORD,
             first_word=cuts // WORD,
-            one_run=len(runs) == 1,
+            runs=np.vstack([np.array([[r.allocation, r.offset, r.block_stride, r.size] for r in runs]).T, run_start]),
         )
 
     @property
     def block_bytes(self) -> int:
         return int(self.words.sum()) * WORD
+
+    @property
+    def one_run(self) -> bool:
+        """A block is one run of GPU memory (block-outermost layouts)."""
+        return self.runs.shape[1] == 1
+
+    @property
+    def narrowest_run(self) -> int:
+        return int(self.runs[3].min())
+
+    def strided_runs(self, allocation_bases: np.ndarray, first_block: int, pool_stretch: int) -> StridedRuns:
+        """How blocks first_block, first_block + 1, ... held in pool stretches from `pool_stretch` on
+        move one run at a time: per run, a 2-D copy with a row per block."""
+        allocation, offset, stride, size, position = self.runs
+        return StridedRuns(allocation_bases[allocation] + offset + first_block * stride, stride, pool_stretch + position, size)
 
     def gpu_stretches(self, allocation_bases: np.ndarray, block_ids: np.ndarray) -> np.ndarray | None:
         """GPU address of each whole block ([n_blocks] int64) when a block is one run of GPU memory
@@ -90,6 +107,22 @@ class SegmentTemplate:
         if (pages[:, 1:] != pages[:, :-1] + 1).any():
             return None
         return pool_base + pages[:, 0] * page_size
+
+
+@dataclass(frozen=True)
+class StridedRuns:
+    """Per run of a block ([runs] int64): where it is in the first block on the GPU, the GPU bytes
+    between blocks, where it is in the first block's pool stretch, and its bytes (a row's width)."""
+
+    gpu: np.ndarray
+    gpu_pitch: np.ndarray
+    pool: np.ndarray
+    width: np.ndarray
+
+
+def consecutive(block_ids: np.ndarray, pool_blocks: np.ndarray, pool_span: int) -> bool:
+    """The blocks follow each other on both sides: GPU ids one apart, pool stretches pool_span apart."""
+    return bool((np.diff(block_ids) == 1).all() and (np.diff(pool_blocks) == pool_span).all())
 
 
 class LaunchFailed(Exception):

@@ -4,8 +4,8 @@ Two engines move bytes. The copy kernel (Triton) runs one program per segment of
 copy_plan), copying 64-bit words between any two addresses the GPU can reach (the engine's KV cache
 opened through CUDA IPC, the pool registered with cudaHostRegister, read and written over PCIe, or
 GPU memory) and adding up the checksum while the words pass through registers; over PCIe it reaches
-about 0.92 of a bulk memcpy. The copy engines (cuda_dma, one driver call per chunk) reach about
-0.98, for runs of 1 MiB or more.
+about 0.92 of a bulk memcpy. The copy engines (cuda_dma) reach about 0.98, for runs of 1 MiB or
+more.
 
 A cache's segment template lives on its GPU (`GpuLayout`, sent once): a call sends only its block
 ids and pool page ids, which the kernel reads straight from pinned host memory, working out every
@@ -13,14 +13,17 @@ segment's addresses itself, and it writes the partial checksums back there. Pyth
 is therefore a few array fills and launches, whatever the number of segments.
 
 Stores go through the kernel (with four stores in flight on an H200, DMA from the GPU to the pool
-reached 39-49 GB/s where the kernel reached 50-52). A load into a block-outermost cache (BLHNC)
-goes through the copy engines straight into place, in chunks (`_chunk_starts`): a small first one,
-enqueued as soon as its runs are known (its bytes move while the rest is planned), the bulk, then
-two that shrink about twelvefold each. The kernel adds up each chunk's checksums in HBM on a second
-stream while the next, smaller chunk still moves (HBM is some fifteen times faster than PCIe), so
-only a block or so's pass follows the last byte. A chunk whose blocks do not each sit in
-consecutive pool pages (a fragmented pool) goes through the kernel instead, as do loads into a
-layer-major cache.
+reached 39-49 GB/s where the kernel reached 50-52). A load goes through the copy engines straight
+into place, in chunks (`_chunk_starts`): a small first one, enqueued as soon as its copies are known
+(its bytes move while the rest is planned), the bulk, then two that shrink about twelvefold each.
+Into a block-outermost cache (BLHNC) a chunk moves as runs of whole blocks (merged where consecutive,
+one driver call). Into a layer-major one (LBHNC), a chunk of blocks that follow each other on both
+sides moves one layer at a time, as a 2-D copy of a row per block (`_strided_chunk`); each 2-D copy
+costs the copy engines about 3 us beyond its bytes, so these chunks hold DMA_MIN_STRIDED_BYTES per
+copy or more. The kernel adds up each chunk's checksums in HBM on a second stream while the next,
+smaller chunk still moves (HBM is some fifteen times faster than PCIe), so only a block or so's
+pass follows the last byte. A chunk the copy engines do not suit (a fragmented pool, scattered
+blocks of a layer-major cache, too few bytes) goes through the kernel instead.
 Each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its position in
 the block), so stores get their checksums and loads their verification.
 """
@@ -36,10 +39,11 @@ import triton
 import triton.language as tl
 
 from kvtier import checksum, cuda_dma
-from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate, coalesce
+from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate, coalesce, consecutive
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
+DMA_MIN_STRIDED_BYTES = 4 << 20  # the same for 2-D copies (about 3 us of the copy engines' time each)
 TAIL_SHARE = 12  # each chunk of a DMA load holds about 1/TAIL_SHARE of the blocks before it
 HEAD_BYTES = 8 << 20  # a DMA load's first chunk (about 0.15 ms at 55 GB/s, while the rest is planned)
 TO_POOL, FROM_POOL, CHECK_IN_PLACE = 0, 1, 2  # what the kernel does with each segment
@@ -227,17 +231,21 @@ def launch_copy(
 def _load_in_place(
     layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
 ) -> dict[tuple[int, int], torch.cuda.Event | None] | None:
-    """Enqueue a load into a block-outermost cache on the copy engines chunk by chunk (`_chunk_starts`),
-    each chunk as soon as its runs are worked out, so the first bytes move while the rest is planned:
-    per chunk (first block, end), the event of its landing, or None for a chunk the kernel is to
-    copy (`_dma_chunk`). None when the copy engines take no part (a layer-major cache, a driver
-    without cuMemcpyBatchAsync, or no chunk they suit)."""
-    if not layout.template.one_run or not cuda_dma.available():
+    """Enqueue a load on the copy engines chunk by chunk (`_chunk_starts`), each chunk as soon as its
+    copies are worked out, so the first bytes move while the rest is planned: per chunk (first block,
+    end), the event of its landing, or None for a chunk the kernel is to copy (`_dma_chunk`,
+    `_strided_chunk`). None when the copy engines take no part (a driver without cuMemcpyBatchAsync,
+    or no chunk they suit)."""
+    if not cuda_dma.available():
         return None
-    n = len(block_ids)
+    n, template = len(block_ids), layout.template
+    if template.one_run:
+        chunk, min_blocks = _dma_chunk, 1
+    else:
+        chunk, min_blocks = _strided_chunk, -(-DMA_MIN_STRIDED_BYTES // template.narrowest_run)
     plan = {
-        (first, end): _dma_chunk(layout, block_ids[first:end], pool_address, page_ids[first:end], lane)
-        for first, end in itertools.pairwise([*_chunk_starts(n, layout.block_bytes), n])
+        (first, end): chunk(layout, block_ids[first:end], pool_address, page_ids[first:end], lane)
+        for first, end in itertools.pairwise([*_chunk_starts(n, layout.block_bytes, min_blocks), n])
     }
     return plan if any(event is not None for event in plan.values()) else None
 
@@ -245,10 +253,10 @@ def _load_in_place(
 def _dma_chunk(
     layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
 ) -> torch.cuda.Event | None:
-    """Enqueue blocks on the copy engines when each is one stretch in the pool (its pages consecutive,
-    as the pool hands them out unless it is fragmented) and their runs (merged where they continue
-    each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their landing; else
-    None, enqueuing nothing."""
+    """Enqueue blocks of a block-outermost cache on the copy engines when each is one stretch in the pool
+    (its pages consecutive, as the pool hands them out unless it is fragmented) and their runs (merged
+    where they continue each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their
+    landing; else None, enqueuing nothing."""
     pool_blocks = layout.template.pool_stretches(pool_address, page_ids, layout.page_size)
     if pool_blocks is None:
         return None
@@ -261,13 +269,42 @@ def _dma_chunk(
     return _recorded(lane.dma)
 
 
-def _chunk_starts(n: int, block_bytes: int) -> list[int]:
+def _strided_chunk(
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
+) -> torch.cuda.Event | None:
+    """Enqueue blocks of a cache with several runs a block on the copy engines, one 2-D copy per run,
+    when they follow each other on both sides (GPU ids one apart, each block one stretch in the pool,
+    a block's pages apart) and each copy holds DMA_MIN_STRIDED_BYTES or more: the event of their
+    landing; else None, enqueuing nothing."""
+    template = layout.template
+    pool_blocks = template.pool_stretches(pool_address, page_ids, layout.page_size)
+    span = page_ids.shape[1] * layout.page_size
+    if (
+        pool_blocks is None
+        or len(block_ids) * template.narrowest_run < DMA_MIN_STRIDED_BYTES
+        or not consecutive(block_ids, pool_blocks, span)
+    ):
+        return None
+    runs = template.strided_runs(layout.bases, int(block_ids[0]), int(pool_blocks[0]))
+    if max(int(runs.gpu_pitch.max()), span) > cuda_dma.MAX_PITCH:
+        return None
+    cuda_dma.copy_2d(runs.gpu, runs.gpu_pitch, runs.pool, span, runs.width, len(block_ids), lane.dma.cuda_stream)
+    return _recorded(lane.dma)
+
+
+def _chunk_starts(n: int, block_bytes: int, min_blocks: int) -> list[int]:
     """Where a DMA load's chunks start: a first chunk of about HEAD_BYTES, which moves while the rest is
     planned, the bulk, then a chunk of about 1/TAIL_SHARE of the blocks and a last one of about
-    1/TAIL_SHARE of that (each chunk is checksummed in HBM while the smaller ones after it move)."""
-    head = max(1, HEAD_BYTES // block_bytes)
-    last, middle = max(1, n // TAIL_SHARE**2), max(1, n // TAIL_SHARE)
-    return sorted({start for start in (0, head, n - middle - last, n - last) if 0 <= start < n})
+    1/TAIL_SHARE of that (each chunk is checksummed in HBM while the smaller ones after it move);
+    every chunk at least `min_blocks` long (the fewest whose copies suit DMA), as far as n allows."""
+    head = max(min_blocks, HEAD_BYTES // block_bytes)
+    last = max(min_blocks, n // TAIL_SHARE**2)
+    middle = max(min_blocks, n // TAIL_SHARE)
+    starts = [0]
+    for start in sorted({head, n - middle - last, n - last}):
+        if start - starts[-1] >= min_blocks and n - start >= min_blocks:
+            starts.append(start)
+    return starts
 
 
 def _lane_drained(lane: CopyLane) -> LaunchedCopy:
