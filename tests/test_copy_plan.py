@@ -187,34 +187,3 @@ def test_consecutive_blocks_follow_each_other_on_both_sides():
     assert not consecutive(np.array([7, 9, 10]), pool, span)  # a gap on the GPU
     assert not consecutive(np.array([7, 8, 9]), pool[[0, 2, 1]], span)  # out of order in the pool
     assert not consecutive(np.array([7, 8, 9]), pool * 2 - POOL_BASE, span)  # stretches further apart
-
-
-def test_one_stretch_is_consecutive_blocks_filling_consecutive_pages():
-    """A block-outermost cache's blocks 5-7 in pages 8-19 (4 pages a block, filled exactly) are one
-    stretch on both sides, at the addresses the per-block stretches give; any gap, pages out of
-    order, a page's unused tail or a layer-major cache is not."""
-    _, blhnc, _ = vllm_033_cache("BLHNC", head_size=32)
-    _, tailed, _ = vllm_033_cache("BLHNC", head_size=40)
-    _, lbhnc, _ = vllm_033_cache("LBHNC", head_size=32)
-    block_outermost, with_tail, layer_major = (
-        SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE) for views in (blhnc, tailed, lbhnc)
-    )
-    per_block = block_outermost.block_bytes // PAGE
-    assert per_block * PAGE == block_outermost.block_bytes
-    pages = np.arange(8, 8 + 3 * per_block, dtype=np.uint32).reshape(3, per_block)
-    blocks, bases = np.array([5, 6, 7]), np.array([GPU_BASE])
-
-    stretch = block_outermost.one_stretch(bases, blocks, POOL_BASE, pages, PAGE)
-
-    assert stretch == (
-        block_outermost.gpu_stretches(bases, blocks)[0],
-        block_outermost.pool_stretches(POOL_BASE, pages, PAGE)[0],
-    )
-    assert block_outermost.one_stretch(bases, np.array([5, 6, 8]), POOL_BASE, pages, PAGE) is None
-    swapped = pages.copy()
-    swapped[1, [0, 1]] = swapped[1, [1, 0]]
-    assert block_outermost.one_stretch(bases, blocks, POOL_BASE, swapped, PAGE) is None
-    assert block_outermost.one_stretch(bases, blocks, POOL_BASE, pages[[0, 2, 1]], PAGE) is None
-    tail_pages = np.arange(3 * 4, dtype=np.uint32).reshape(3, 4)  # head size 40: 15 KiB blocks in 4 pages
-    assert with_tail.one_stretch(bases, blocks, POOL_BASE, tail_pages, PAGE) is None
-    assert layer_major.one_stretch(bases, blocks, POOL_BASE, pages, PAGE) is None

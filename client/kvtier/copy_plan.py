@@ -92,20 +92,6 @@ class SegmentTemplate:
         allocation, offset, stride, size, position = self.runs
         return StridedRuns(allocation_bases[allocation] + offset + first_block * stride, stride, pool_stretch + position, size)
 
-    def one_stretch(
-        self, allocation_bases: np.ndarray, block_ids: np.ndarray, pool_base: int, page_ids: np.ndarray, page_size: int
-    ) -> tuple[int, int] | None:
-        """(GPU address, pool address) of the blocks when they are one stretch on both sides: a
-        block-outermost cache's consecutive blocks, filling consecutive pool pages exactly (the common
-        case, told with a few array operations); None otherwise."""
-        if not self.one_run or self.block_stride[0] != self.block_bytes or page_ids.shape[1] * page_size != self.block_bytes:
-            return None
-        pages = page_ids.ravel()
-        if not ((np.diff(block_ids) == 1).all() and (np.diff(pages.astype(np.int64)) == 1).all()):
-            return None
-        gpu = int(allocation_bases[self.allocation[0]] + self.gpu_offset[0]) + int(block_ids[0]) * self.block_bytes
-        return gpu, pool_base + int(pages[0]) * page_size
-
     def gpu_stretches(self, allocation_bases: np.ndarray, block_ids: np.ndarray) -> np.ndarray | None:
         """GPU address of each whole block ([n_blocks] int64) when a block is one run of GPU memory
         (block-outermost layouts); None otherwise."""

@@ -1,7 +1,7 @@
 """DMA copies through the CUDA driver: batches of flat runs in one cuMemcpyBatchAsync (its CUDA 13
 form, cuMemcpyBatchAsync_v2: drivers of CUDA 13 and later; with an older driver `available()` is False
-and every copy takes the kernel), one range in one cuMemcpyAsync, and 2-D copies (rows of one width
-at a pitch), one cuMemcpy2DAsync each.
+and every copy takes the kernel), and 2-D copies (rows of one width at a pitch), one
+cuMemcpy2DAsync each.
 
 The copy engines move host<->device bytes at the full PCIe rate (about 0.98 of a bulk memcpy on an
 H200 for runs of 1 MiB or more), where a kernel reading or writing host memory reaches about 0.92.
@@ -73,7 +73,6 @@ def _driver():
     driver.cuCtxPushCurrent_v2.argtypes = [pointer]
     driver.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(pointer)]
     driver.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), pointer]
-    driver.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, pointer]
     return driver
 
 
@@ -102,12 +101,6 @@ def copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream_handle: int
             stream_handle,
         )
     _check("cuMemcpyBatchAsync", status)
-
-
-def copy_range(dst: int, src: int, size: int, stream_handle: int) -> None:
-    """Enqueue one copy of `size` bytes from src to dst on the stream, as `copy` does."""
-    with _stream_context(stream_handle):
-        _check("cuMemcpyAsync", _DRIVER.cuMemcpyAsync(dst, src, size, stream_handle))
 
 
 def copy_2d(  # noqa: PLR0913

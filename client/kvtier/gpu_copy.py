@@ -256,15 +256,7 @@ def _dma_chunk(
     """Enqueue blocks of a block-outermost cache on the copy engines when each is one stretch in the pool
     (its pages consecutive, as the pool hands them out unless it is fragmented) and their runs (merged
     where they continue each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their
-    landing; else None, enqueuing nothing. Blocks that are one stretch on both sides (the common case)
-    go in one copy, worked out with a few operations (the first chunk's bytes move that much sooner)."""
-    if len(block_ids) * layout.block_bytes < DMA_MIN_MEAN_RUN_BYTES:
-        return None
-    stretch = layout.template.one_stretch(layout.bases, block_ids, pool_address, page_ids, layout.page_size)
-    if stretch is not None:
-        gpu, pool = stretch
-        cuda_dma.copy_range(gpu, pool, len(block_ids) * layout.block_bytes, lane.dma.cuda_stream)
-        return _recorded(lane.dma)
+    landing; else None, enqueuing nothing."""
     pool_blocks = layout.template.pool_stretches(pool_address, page_ids, layout.page_size)
     if pool_blocks is None:
         return None
