@@ -178,20 +178,26 @@ def free_gpu_mib(device: int = 0) -> float:
 
 @gpu
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
-def test_round_trip_engine_a_to_engine_b_byte_exact(start_daemon, layout):
+@pytest.mark.parametrize("targets", ["reversed", "consecutive"])
+def test_round_trip_engine_a_to_engine_b_byte_exact(start_daemon, layout, targets):
+    """Engine A stores 64 blocks, engine B loads them into other block ids: reversed (the kernel), or
+    consecutive (the copy engines: one range of whole blocks for BLHNC, one 2-D copy per layer for
+    LBHNC, whose 64 blocks of 64 KiB layers make 4 MiB copies)."""
+    geometry = {**GEOMETRY, "num_blocks": 128}
     daemon = start_daemon("--pool-size", "256MiB")
-    a = results(engine(daemon.address, [{"fill": list(range(40)), "seed": 7}, {"store": list(range(40)), "seed": 7}], layout))
-    assert a[1]["cuda_ipc"] and a[1]["stored_blocks"] == 40
-    targets = list(range(63, 23, -1))  # other block ids, reversed
-    b = results(engine(daemon.address, [{"load": targets, "seed": 7}, {"check": targets, "seed": 7}], layout))
+    stored = [{"fill": list(range(64)), "seed": 7}, {"store": list(range(64)), "seed": 7}]
+    a = results(engine(daemon.address, stored, layout, geometry=geometry))
+    assert a[1]["cuda_ipc"] and a[1]["stored_blocks"] == 64
+    ids = list(range(127, 63, -1)) if targets == "reversed" else list(range(64, 128))
+    b = results(engine(daemon.address, [{"load": ids, "seed": 7}, {"check": ids, "seed": 7}], layout, geometry=geometry))
     assert b[0]["loaded"] and b[0]["cuda_ipc"]
     assert b[1]["matches"]
     assert "cuda_ipc registered" in daemon.log() and "cuda_ipc closed" in daemon.log()
     # the kernel's checksums are kvtier's: an inline load verifies them with kvtier.checksum on the CPU
     with KVTierClient(daemon.address) as client:
-        ns = client.register(namespace_spec(Geometry(**GEOMETRY), layout))
+        ns = client.register(namespace_spec(Geometry(**geometry), layout))
         inline = client.load(ns, block_hashes(7, 8), transport="inline")
-    assert np.array_equal(inline, seeded_blocks(Geometry(**GEOMETRY), 7, 40)[:8].cpu().numpy())
+    assert np.array_equal(inline, seeded_blocks(Geometry(**geometry), 7, 64)[:8].cpu().numpy())
 
 
 @gpu
