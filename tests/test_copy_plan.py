@@ -139,26 +139,37 @@ def test_stretches_gpu_side_for_block_outermost_caches_pool_side_for_consecutive
     _, lbhnc, _ = vllm_033_cache("LBHNC")
     block_outermost = SegmentTemplate.build([r.run for r in block_runs(blhnc, 12)[1]], PAGE)
     layer_major = SegmentTemplate.build([r.run for r in block_runs(lbhnc, 12)[1]], PAGE)
-    consecutive = np.arange(4 * 4).reshape(4, 4)  # 4 pages per block
-    scattered = consecutive.copy()
+    in_order = np.arange(4 * 4).reshape(4, 4)  # 4 pages per block
+    scattered = in_order.copy()
     scattered[1, [1, 2]] = scattered[1, [2, 1]]  # block 1's pages out of order
 
     blocks = np.array([5, 6, 7, 9])
     gpu = block_outermost.gpu_stretches(np.array([GPU_BASE]), blocks)
     assert np.array_equal(gpu - GPU_BASE, blocks * block_outermost.block_bytes)
     assert layer_major.gpu_stretches(np.array([GPU_BASE]), blocks) is None
-    pool = layer_major.pool_stretches(POOL_BASE, consecutive, PAGE)
+    pool = layer_major.pool_stretches(POOL_BASE, in_order, PAGE)
     assert np.array_equal(pool - POOL_BASE, np.array([0, 4, 8, 12]) * PAGE)
     assert layer_major.pool_stretches(POOL_BASE, scattered, PAGE) is None
 
 
-@pytest.mark.parametrize("head_size", [32, 40])
-def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(head_size):
-    """A layer-major cache's blocks 3, 4 and 5 in consecutive pool pages: one 2-D copy per run (a row
-    per block, rows a block's pages apart in the pool: with head size 40 each block's last page has
-    an unused tail) moves exactly the bytes the kernel's segments move."""
-    buffer, views, _ = vllm_033_cache("LBHNC", head_size=head_size)
-    template = SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE)
+def layer_major_cache(kind: str) -> tuple[np.ndarray, SegmentTemplate]:
+    """GPU memory and the template of a cache with several runs a block: vLLM 0.33's layer-major one
+    (head size 32: blocks fill their pages; 40: each block's last page has an unused tail), or runs
+    narrower than the GPU bytes between blocks (two runs of 2 KiB with a gap, a block every 6 KiB)."""
+    if kind == "gapped":
+        width = 2048
+        memory = np.random.default_rng(5).integers(0, 256, 12 * 3 * width, dtype=np.uint8)
+        return memory, SegmentTemplate.build([Run(0, 0, 3 * width, width), Run(0, 2 * width, 3 * width, width)], PAGE)
+    buffer, views, _ = vllm_033_cache("LBHNC", head_size=int(kind.removeprefix("head")))
+    return buffer.view(torch.uint8).numpy(), SegmentTemplate.build([r.run for r in block_runs(views, 12)[1]], PAGE)
+
+
+@pytest.mark.parametrize("kind", ["head32", "head40", "gapped"])
+def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(kind):
+    """Blocks 3, 4 and 5 of a cache with several runs a block, in consecutive pool pages: one 2-D copy
+    per run (a row per block, rows the run's block stride apart on the GPU and a block's pages apart
+    in the pool) moves exactly the bytes the kernel's segments move."""
+    memory, template = layer_major_cache(kind)
     pages_per_block = -(-template.block_bytes // PAGE)
     page_ids = np.arange(8, 8 + 3 * pages_per_block).reshape(3, pages_per_block)
     blocks = np.array([3, 4, 5])
@@ -168,8 +179,7 @@ def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(head_size):
 
     runs = template.strided_runs(np.array([GPU_BASE]), 3, int(pool_blocks[0]))
 
-    assert len(runs.gpu) == 3  # one copy per layer
-    memory = buffer.view(torch.uint8).numpy()
+    assert len(runs.gpu) == (2 if kind == "gapped" else 3)  # one copy per run (per layer)
     by_segment, by_copy = np.zeros(64 * PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
     run_segments(template, memory, by_segment, blocks, page_ids)
     for gpu, gpu_pitch, host, width in zip(runs.gpu, runs.gpu_pitch, runs.pool, runs.width, strict=True):

@@ -99,7 +99,8 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     # blocks and 5 blocks in four chunks each (2 + 12 + 1 + 1, 2 + 1 + 1 + 1), one block in one, the
     # eight blocks in four of which the two holding blocks 5 and 6 go through the kernel (2 + 4 + 1 +
     # 1). Layer-major (4 runs of 64 KiB, one 2-D copy each a chunk): chunks of 4 blocks or more (16
-    # blocks in 4, 5 in 1; one block, and the chunk holding blocks 5 and 6, through the kernel).
+    # blocks in 4, 5 in 1, one block through the kernel, the eight in 4 + 4 of which the chunk
+    # holding blocks 5 and 6 goes through the kernel).
     # vLLM 0.32's (8 runs of 10 KiB, a block every 3 pages of 32 KiB in the pool): chunks of 8
     # blocks or more (16 blocks in 2). Two batches on one lane, each waited for alone; and one with
     # no block.

@@ -8,7 +8,8 @@ H200 for runs of 1 MiB or more), where a kernel reading or writing host memory r
 Each copy has a fixed cost in the driver and the engine (a 2-D copy about 3 us of the copy engines'
 time beyond its bytes, measured on an H200), so small copies (the 32 KiB pages of a scattered pool,
 the 64 KiB layers of a few blocks) go slower than the kernel: gpu_copy picks DMA only for large ones.
-One ctypes call per batch; the address arrays are passed as they are (no Python list per run).
+A batch is one ctypes call, its address arrays passed as they are (no Python list per run); 2-D
+copies are one call each (a load has one per layer and chunk).
 """
 
 from __future__ import annotations

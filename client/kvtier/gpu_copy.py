@@ -17,13 +17,15 @@ reached 39-49 GB/s where the kernel reached 50-52). A load goes through the copy
 into place, in chunks (`_chunk_starts`): a small first one, enqueued as soon as its copies are known
 (its bytes move while the rest is planned), the bulk, then two that shrink about twelvefold each.
 Into a block-outermost cache (BLHNC) a chunk moves as runs of whole blocks (merged where consecutive,
-one driver call). Into a layer-major one (LBHNC), a chunk of blocks that follow each other on both
-sides moves one layer at a time, as a 2-D copy of a row per block (`_strided_chunk`); each 2-D copy
-costs the copy engines about 3 us beyond its bytes, so these chunks hold DMA_MIN_STRIDED_BYTES per
-copy or more. The kernel adds up each chunk's checksums in HBM on a second stream while the next,
-smaller chunk still moves (HBM is some fifteen times faster than PCIe), so only a block or so's
-pass follows the last byte. A chunk the copy engines do not suit (a fragmented pool, scattered
-blocks of a layer-major cache, too few bytes) goes through the kernel instead.
+one driver call). The kernel adds up each chunk's checksums in HBM on a second stream while the
+next, smaller chunk still moves (HBM is some fifteen times faster than PCIe), so only a block or
+so's pass follows the last byte. Into a layer-major cache (LBHNC), a chunk of blocks that follow each
+other on both sides moves one layer at a time, as a 2-D copy of a row per block (`_strided_chunk`);
+each 2-D copy costs the copy engines about 3 us beyond its bytes, so every chunk holds
+DMA_MIN_STRIDED_BYTES per copy or more (64 blocks of 64 KiB layers: a load of fewer than twice that
+is one chunk, and its whole checksum pass follows the last byte). A chunk
+the copy engines do not suit (a fragmented pool, scattered blocks of a layer-major cache, too few
+bytes) goes through the kernel instead.
 Each block's checksum is kvtier.checksum's (each word times the splitmix64 weight of its position in
 the block), so stores get their checksums and loads their verification.
 """
@@ -286,8 +288,8 @@ def _strided_chunk(
     ):
         return None
     runs = template.strided_runs(layout.bases, int(block_ids[0]), int(pool_blocks[0]))
-    if max(int(runs.gpu_pitch.max()), span) > cuda_dma.MAX_PITCH:
-        return None
+    if max(int(runs.gpu_pitch.max()), span) > cuda_dma.MAX_PITCH or (runs.width > runs.gpu_pitch).any():
+        return None  # (rows wider than their pitch: blocks that overlap, which the driver refuses)
     cuda_dma.copy_2d(runs.gpu, runs.gpu_pitch, runs.pool, span, runs.width, len(block_ids), lane.dma.cuda_stream)
     return _recorded(lane.dma)
 
