@@ -72,6 +72,7 @@ from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc  # noqa: E402
 from kvtierd.fs_format import aligned_empty, block_path, fsync_directory, write_block_file, write_spec  # noqa: E402
+from kvtierd.fs_snapshot import RACY_SECONDS  # noqa: E402
 from kvtierd.namespace import namespace_digest  # noqa: E402
 
 BLOCK = 2 << 20
@@ -458,9 +459,12 @@ def fill(fs_dir: Path, count: int) -> tuple[pb.NamespaceSpec, list[bytes]]:
 
 def restart(directory: Path, count: int) -> dict:
     """Start a daemon on `count` block files with no index file (every directory listed), stop it cleanly
-    (it writes the index file), then start one again (directories taken from the index file)."""
+    (it writes the index file), then start one again (directories taken from the index file). The
+    files are left to settle first: an index file leaves out directories changed within RACY_SECONDS,
+    and on a fast machine the first daemon can start and stop within that of the last file."""
     fs_dir = directory / f"restart-{count}"
     small, hashes = fill(fs_dir, count)
+    time.sleep(RACY_SECONDS)
     result: dict = {"blocks": count}
     try:
         for how in ("listing", "index_file"):
