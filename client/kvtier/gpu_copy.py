@@ -279,13 +279,11 @@ def _strided_chunk(
     a block's pages apart) and each copy holds DMA_MIN_STRIDED_BYTES or more: the event of their
     landing; else None, enqueuing nothing."""
     template = layout.template
+    if len(block_ids) * template.narrowest_run < DMA_MIN_STRIDED_BYTES:  # (before any array work: most loads)
+        return None
     pool_blocks = template.pool_stretches(pool_address, page_ids, layout.page_size)
     span = page_ids.shape[1] * layout.page_size
-    if (
-        pool_blocks is None
-        or len(block_ids) * template.narrowest_run < DMA_MIN_STRIDED_BYTES
-        or not consecutive(block_ids, pool_blocks, span)
-    ):
+    if pool_blocks is None or not consecutive(block_ids, pool_blocks, span):
         return None
     runs = template.strided_runs(layout.bases, int(block_ids[0]), int(pool_blocks[0]))
     if max(int(runs.gpu_pitch.max()), span) > cuda_dma.MAX_PITCH or (runs.width > runs.gpu_pitch).any():
