@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier import checksum  # noqa: E402
-from kvtier.copy_plan import WORD, Run, SegmentTemplate, coalesce, consecutive  # noqa: E402
+from kvtier.copy_plan import WORD, Run, SegmentTemplate, coalesce, follow_each_other  # noqa: E402
 from kvtier.engine.gpu_kv import block_runs  # noqa: E402
 
 PAGE = 4096
@@ -173,11 +173,10 @@ def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(kind):
     pages_per_block = -(-template.block_bytes // PAGE)
     page_ids = np.arange(8, 8 + 3 * pages_per_block).reshape(3, pages_per_block)
     blocks = np.array([3, 4, 5])
-    pool_blocks = template.pool_stretches(POOL_BASE, page_ids, PAGE)
     span = pages_per_block * PAGE
-    assert consecutive(blocks, pool_blocks, span)
+    assert follow_each_other(blocks, page_ids)
 
-    runs = template.strided_runs(np.array([GPU_BASE]), 3, int(pool_blocks[0]))
+    runs = template.strided_runs(np.array([GPU_BASE]), 3, POOL_BASE + 8 * PAGE)
 
     assert len(runs.gpu) == (2 if kind == "gapped" else 3)  # one copy per run (per layer)
     by_segment, by_copy = np.zeros(64 * PAGE, dtype=np.uint8), np.zeros(64 * PAGE, dtype=np.uint8)
@@ -190,10 +189,12 @@ def test_strided_runs_of_consecutive_blocks_move_the_same_bytes(kind):
 
 
 def test_consecutive_blocks_follow_each_other_on_both_sides():
-    span = 4 * PAGE
-    pool = POOL_BASE + np.array([0, 1, 2]) * span
-    assert consecutive(np.array([7, 8, 9]), pool, span)
-    assert consecutive(np.array([7]), pool[:1], span)
-    assert not consecutive(np.array([7, 9, 10]), pool, span)  # a gap on the GPU
-    assert not consecutive(np.array([7, 8, 9]), pool[[0, 2, 1]], span)  # out of order in the pool
-    assert not consecutive(np.array([7, 8, 9]), pool * 2 - POOL_BASE, span)  # stretches further apart
+    pages = np.arange(12, dtype=np.uint32).reshape(3, 4)
+    assert follow_each_other(np.array([7, 8, 9]), pages)
+    assert follow_each_other(np.array([7]), pages[:1])
+    assert not follow_each_other(np.array([7, 9, 10]), pages)  # a gap on the GPU
+    assert not follow_each_other(np.array([7, 8, 9]), pages[[0, 2, 1]])  # out of order in the pool
+    assert not follow_each_other(np.array([7, 8, 9]), pages * 2)  # pages further apart
+    assert not follow_each_other(np.array([7, 8, 9]), np.vstack([pages[0], pages[1, ::-1], pages[2]]))  # a block's pages
+    assert not follow_each_other(np.array([7, 8, 9]), pages + np.array([[0], [1], [1]], dtype=np.uint32))  # a gap between
+    assert not follow_each_other(np.array([7]), np.array([[2**32 - 1, 0]], dtype=np.uint32))  # unsigned wrap-around

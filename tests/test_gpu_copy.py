@@ -110,6 +110,7 @@ def test_copy_to_pool_and_back_byte_exact_with_checksums(pool, layout, pages, dm
     dma_calls = []
     monkeypatch.setattr(cuda_dma, "copy", lambda *args, real=cuda_dma.copy: dma_calls.append(real(*args)))
     monkeypatch.setattr(cuda_dma, "copy_2d", lambda *args, real=cuda_dma.copy_2d: dma_calls.append(real(*args)))
+    monkeypatch.setattr(cuda_dma, "copy_linear", lambda *args, real=cuda_dma.copy_linear: dma_calls.append(real(*args)))
     lane = gpu_copy.CopyLane.on(device)
 
     def launch_load(blocks: np.ndarray, pages: np.ndarray):

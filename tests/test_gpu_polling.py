@@ -126,6 +126,16 @@ def test_link_clock_queues_a_lane_and_shares_the_link_between_lanes():
     assert abs(started(0.5, b, False, 10 * ms) - 0.510) < 1e-12  # the others have ended
 
 
+def transfers_with(launch) -> tuple[gpu_transfers.GpuTransfers, gpu_transfers.CudaRegistration]:
+    """A daemon's GpuTransfers on a CPU, with one registration, whose copies `launch` enqueues."""
+    transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
+    registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, [])
+    transfers._registrations[registration.id] = registration
+    transfers._next_lane[0] = itertools.cycle([Lane("cuda:0", "a")])
+    transfers._launch = launch
+    return transfers, registration
+
+
 def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_loop_serves():
     """gpu_copy.launch_copy raises LaunchFailed when enqueueing fails midway (a driver call, or host
     memory for the call's arrays): the call's error goes up only once what was enqueued has landed
@@ -134,16 +144,12 @@ def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_lo
 
     async def main():
         loop = asyncio.get_running_loop()
-        transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
-        registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, [])
-        transfers._registrations[registration.id] = registration
-        transfers._next_lane[0] = itertools.cycle([Lane("cuda:0", "a")])
         enqueued = CopyEndingAt(loop.time() + 0.030)
 
         def launch_failing_midway(*args):
             raise LaunchFailed(enqueued) from RuntimeError("cuMemcpyBatchAsync failed")
 
-        transfers._launch = launch_failing_midway
+        transfers, registration = transfers_with(launch_failing_midway)
 
         async def session_ends():
             await asyncio.sleep(0.005)
@@ -163,3 +169,60 @@ def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_lo
     assert enqueued.checks[-1] >= enqueued.end and failed_at >= enqueued.end  # not before it landed
     assert turns > 10  # the loop served other work meanwhile
     assert registration.in_flight == 0 and registration.closed.is_set()
+
+
+@dataclass
+class LandingCopy(CopyEndingAt):
+    """A launched copy that also has its checksums once done (gpu_copy.LaunchedCopy)."""
+
+    def checksums(self) -> np.ndarray:
+        assert self.finished()
+        return np.array([7, 8], dtype=np.uint64)
+
+
+def test_a_loads_meanwhile_runs_once_its_copy_is_enqueued_and_before_it_has_landed():
+    """The data service makes a load's answer while its bytes move (`meanwhile`): after the launch,
+    before the copy is seen done; the checksums come once it has landed."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        copy, launches, meanwhile = LandingCopy(loop.time() + 0.030), [], []
+        transfers, registration = transfers_with(lambda *args: launches.append(loop.time()) or copy)
+        sums = await transfers.load(
+            registration, np.arange(2), np.zeros((2, 1), dtype=np.int64), meanwhile=lambda: meanwhile.append(loop.time())
+        )
+        return copy, launches, meanwhile, sums, loop.time()
+
+    copy, launches, meanwhile, sums, returned = run_on_virtual_clock(main())
+    assert len(launches) == 1 and meanwhile == launches  # right after the launch, in the same turn
+    assert meanwhile[0] < copy.end <= copy.checks[-1] <= returned
+    assert sums.tolist() == [7, 8]
+
+
+def test_a_loads_meanwhile_failing_goes_up_only_once_the_copy_has_landed():
+    """Its copy still owns the pages and the registration: the error goes up once the copy has
+    landed, and a registration whose session ended meanwhile closes then."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        copy = LandingCopy(loop.time() + 0.030)
+        transfers, registration = transfers_with(lambda *args: copy)
+
+        def failing():
+            raise ValueError("a bug in the answer")
+
+        blocks, pages = np.arange(2), np.zeros((2, 1), dtype=np.int64)
+        load = asyncio.ensure_future(transfers.load(registration, blocks, pages, meanwhile=failing))
+        await asyncio.sleep(0.005)
+        closing = asyncio.ensure_future(transfers.close_session("session"))
+        await asyncio.sleep(0.005)
+        closed_early = registration.closed.is_set()
+        with pytest.raises(ValueError, match="a bug"):
+            await load
+        failed_at = loop.time()
+        await closing
+        return copy, failed_at, closed_early, registration
+
+    copy, failed_at, closed_early, registration = run_on_virtual_clock(main())
+    assert failed_at >= copy.end and copy.checks[-1] >= copy.end  # not before the copy landed
+    assert not closed_early and registration.in_flight == 0 and registration.closed.is_set()

@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_ONE = np.uint64(1)
 
 
 @lru_cache(maxsize=64)
@@ -49,8 +50,7 @@ def combine(parts) -> np.ndarray:
     """Blocks' checksums from their parts: parts[k][i] is block i's k-th part (a list of arrays, or a
     2-D array). Arrays of integers add up modulo 2**64 without a warning."""
     total = np.add.reduce(parts, axis=0, dtype=np.uint64) if len(parts) else np.zeros(0, np.uint64)
-    total[total == 0] = 1
-    return total
+    return np.maximum(total, _ONE, out=total)  # (0 stands for "no checksum": a computed 0 becomes 1)
 
 
 def block_checksums(blocks: np.ndarray) -> np.ndarray:

@@ -120,9 +120,16 @@ class StridedRuns:
     width: np.ndarray
 
 
-def consecutive(block_ids: np.ndarray, pool_blocks: np.ndarray, pool_span: int) -> bool:
-    """The blocks follow each other on both sides: GPU ids one apart, pool stretches pool_span apart."""
-    return bool((np.diff(block_ids) == 1).all() and (np.diff(pool_blocks) == pool_span).all())
+def follow_each_other(block_ids: np.ndarray, page_ids: np.ndarray) -> bool:
+    """The blocks follow each other on both sides: GPU ids one apart, and all their pool pages
+    ([blocks, pages per block]) one apart (each block one stretch of the pool, the next right after)."""
+    return _steps_of_one(block_ids) and _steps_of_one(page_ids.ravel())
+
+
+def _steps_of_one(ids: np.ndarray) -> bool:
+    """ids[i + 1] == ids[i] + 1 throughout (the ends compared as Python ints, so that no wrap-around of
+    unsigned page ids passes)."""
+    return len(ids) < 2 or (int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool((ids[1:] - ids[:-1] == 1).all()))
 
 
 class LaunchFailed(Exception):

@@ -1,7 +1,7 @@
 """DMA copies through the CUDA driver: batches of flat runs in one cuMemcpyBatchAsync (its CUDA 13
 form, cuMemcpyBatchAsync_v2: drivers of CUDA 13 and later; with an older driver `available()` is False
-and every copy takes the kernel), and 2-D copies (rows of one width at a pitch), one
-cuMemcpy2DAsync each.
+and every copy takes the kernel), 2-D copies (rows of one width at a pitch), one
+cuMemcpy2DAsync each, and single copies (cuMemcpyAsync).
 
 The copy engines move host<->device bytes at the full PCIe rate (about 0.98 of a bulk memcpy on an
 H200 for runs of 1 MiB or more), where a kernel reading or writing host memory reaches about 0.92.
@@ -74,6 +74,7 @@ def _driver():
     driver.cuCtxPushCurrent_v2.argtypes = [pointer]
     driver.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(pointer)]
     driver.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), pointer]
+    driver.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, size, pointer]
     return driver
 
 
@@ -102,6 +103,14 @@ def copy(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream_handle: int
             stream_handle,
         )
     _check("cuMemcpyBatchAsync", status)
+
+
+def copy_linear(dst: int, src: int, size: int, stream_handle: int) -> None:
+    """Enqueue one copy of `size` bytes from src to dst on the stream, as `copy` does (one driver call
+    with plain integers: no array to convert)."""
+    with _stream_context(stream_handle):
+        status = _DRIVER.cuMemcpyAsync(dst, src, size, stream_handle)
+    _check("cuMemcpyAsync", status)
 
 
 def copy_2d(  # noqa: PLR0913

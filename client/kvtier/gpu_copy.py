@@ -16,11 +16,15 @@ Stores go through the kernel (with four stores in flight on an H200, DMA from th
 reached 39-49 GB/s where the kernel reached 50-52). A load goes through the copy engines straight
 into place, in chunks (`_chunk_starts`): a small first one, enqueued as soon as its copies are known
 (its bytes move while the rest is planned), the bulk, then two that shrink about twelvefold each.
-Into a block-outermost cache (BLHNC) a chunk moves as runs of whole blocks (merged where consecutive,
-one driver call). The kernel adds up each chunk's checksums in HBM on a second stream while the
-next, smaller chunk still moves (HBM is some fifteen times faster than PCIe), so only a block or
-so's pass follows the last byte. Into a layer-major cache (LBHNC), a chunk of blocks that follow each
-other on both sides moves one layer at a time, as a 2-D copy of a row per block (`_strided_chunk`);
+Blocks that follow each other on both sides (GPU ids and pool pages one apart: a prefix loaded into
+a fresh cache) are recognised once per load, and each of their chunks is then one copy into a
+block-outermost cache (BLHNC) and one 2-D copy per layer, a row per block, into a layer-major one
+(LBHNC), worked out with a few integers (`_following_blocks`: on the H200's host each numpy call
+before the first byte costs 3-10 us). Into a BLHNC cache other chunks move as runs of whole blocks
+(merged where consecutive, one driver call). The kernel adds up each chunk's checksums in HBM on a
+second stream while the next, smaller chunk still moves (HBM is some fifteen times faster than
+PCIe), so only a block or so's pass follows the last byte. Into an LBHNC cache, only chunks of
+blocks that follow each other go to the copy engines;
 each 2-D copy costs the copy engines about 3 us beyond its bytes, so every chunk holds
 DMA_MIN_STRIDED_BYTES per copy or more (64 blocks of 64 KiB layers: a load of fewer than twice that
 is one chunk, and its whole checksum pass follows the last byte). A chunk
@@ -32,6 +36,7 @@ the block), so stores get their checksums and loads their verification.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -41,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kvtier import checksum, cuda_dma
-from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate, coalesce, consecutive
+from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate, StridedRuns, coalesce, follow_each_other
 
 WORDS_PER_STEP = 1024  # 8 KiB per loop iteration of a program
 DMA_MIN_MEAN_RUN_BYTES = 1 << 20  # below this, per-copy costs make DMA slower than the kernel
@@ -107,12 +112,19 @@ class GpuLayout:
     page_size: int
     segments: torch.Tensor  # [6, segments] int64 on the device
     block_bytes: int
+    rows: StridedRuns | None  # block 0's runs as the first rows of 2-D copies (pool side: from its stretch);
+    # None when they do not suit 2-D copies (a pitch beyond the driver's limit, or rows wider than their
+    # pitch: blocks that overlap, which the driver refuses)
 
     @classmethod
     def on(cls, template: SegmentTemplate, bases: np.ndarray, page_size: int, device: torch.device) -> GpuLayout:
         t = template
         rows = np.stack([bases[t.allocation] + t.gpu_offset, t.block_stride, t.page, t.page_offset, t.words, t.first_word])
-        return cls(template, bases, page_size, torch.from_numpy(rows.astype(np.int64)).to(device), t.block_bytes)
+        segments = torch.from_numpy(rows.astype(np.int64)).to(device)
+        first_rows = t.strided_runs(bases, 0, 0)
+        if first_rows.gpu_pitch.max() > cuda_dma.MAX_PITCH or (first_rows.width > first_rows.gpu_pitch).any():
+            first_rows = None
+        return cls(template, bases, page_size, segments, t.block_bytes, first_rows)
 
     @property
     def segment_count(self) -> int:
@@ -235,30 +247,109 @@ def _load_in_place(
 ) -> dict[tuple[int, int], torch.cuda.Event | None] | None:
     """Enqueue a load on the copy engines chunk by chunk (`_chunk_starts`), each chunk as soon as its
     copies are worked out, so the first bytes move while the rest is planned: per chunk (first block,
-    end), the event of its landing, or None for a chunk the kernel is to copy (`_dma_chunk`,
-    `_strided_chunk`). None when the copy engines take no part (a driver without cuMemcpyBatchAsync,
-    or no chunk they suit)."""
-    if not cuda_dma.available():
-        return None
+    end), the event of its landing, or None for a chunk the kernel is to copy. Blocks that all follow
+    each other on both sides (a prefix loaded into a fresh cache) are looked at once, and each chunk
+    is then worked out with a few integers (`_following_blocks`); other loads chunk by chunk
+    (`_dma_chunk`, or `_following_blocks` per chunk for caches with several runs a block). None when
+    the copy engines take no part (a driver without cuMemcpyBatchAsync, or no chunk they suit)."""
     n, template = len(block_ids), layout.template
-    if template.one_run:
-        chunk, min_blocks = _dma_chunk, 1
+    too_few = not template.one_run and n * template.narrowest_run < DMA_MIN_STRIDED_BYTES  # (most loads: no array work)
+    if not cuda_dma.available() or too_few:
+        return None
+    following = _following_blocks(layout, block_ids, pool_address, page_ids)
+    if following is not None:
+        chunk, min_blocks = functools.partial(following.enqueue, lane=lane), following.min_blocks
+    elif template.one_run:
+        chunk, min_blocks = functools.partial(_dma_chunk, layout, block_ids, pool_address, page_ids, lane), 1
     else:
-        chunk, min_blocks = _strided_chunk, -(-DMA_MIN_STRIDED_BYTES // template.narrowest_run)
+        chunk = functools.partial(_strided_chunk, layout, block_ids, pool_address, page_ids, lane)
+        min_blocks = -(-DMA_MIN_STRIDED_BYTES // template.narrowest_run)
     plan = {
-        (first, end): chunk(layout, block_ids[first:end], pool_address, page_ids[first:end], lane)
+        (first, end): chunk(first, end)
         for first, end in itertools.pairwise([*_chunk_starts(n, layout.block_bytes, min_blocks), n])
     }
     return plan if any(event is not None for event in plan.values()) else None
 
 
-def _dma_chunk(
-    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
+def _following_blocks(
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray
+) -> _LinearBlocks | _StridedBlocks | None:
+    """How blocks that follow each other on both sides (copy_plan.follow_each_other) move: as one copy
+    when a block is one run and the blocks continue each other on both sides (a block-outermost cache
+    whose blocks fill their pages), else as one 2-D copy per run of a block. None when they do not
+    follow each other, or when their runs do not suit 2-D copies (a pitch beyond the driver's limit,
+    or rows wider than their pitch: blocks that overlap)."""
+    if not follow_each_other(block_ids, page_ids):
+        return None
+    template, first_block = layout.template, int(block_ids[0])
+    pool_span = page_ids.shape[1] * layout.page_size
+    first_stretch = pool_address + int(page_ids[0, 0]) * layout.page_size
+    if template.one_run:
+        allocation, offset, stride, size, _ = template.runs[:, 0].tolist()
+        if size == stride == pool_span:
+            return _LinearBlocks(int(layout.bases[allocation]) + offset + first_block * stride, first_stretch, pool_span)
+    if layout.rows is None or pool_span > cuda_dma.MAX_PITCH:
+        return None
+    return _StridedBlocks(layout.rows, first_block, first_stretch, pool_span)
+
+
+@dataclass(frozen=True)
+class _LinearBlocks:
+    """Blocks one after another on both sides, without a gap: any of them move as one copy."""
+
+    gpu: int  # the first block's address on the GPU
+    pool: int  # and in the pool
+    block_bytes: int
+
+    @property
+    def min_blocks(self) -> int:
+        """The fewest blocks whose copy suits the copy engines (DMA_MIN_MEAN_RUN_BYTES)."""
+        return -(-DMA_MIN_MEAN_RUN_BYTES // self.block_bytes)
+
+    def enqueue(self, first: int, end: int, lane: CopyLane) -> torch.cuda.Event | None:
+        """Enqueue blocks [first, end) on the copy engines: the event of their landing; None (nothing
+        enqueued) for fewer than `min_blocks`."""
+        if end - first < self.min_blocks:
+            return None
+        offset = first * self.block_bytes
+        cuda_dma.copy_linear(self.gpu + offset, self.pool + offset, (end - first) * self.block_bytes, lane.dma.cuda_stream)
+        return _recorded(lane.dma)
+
+
+@dataclass(frozen=True)
+class _StridedBlocks:
+    """Blocks that follow each other on both sides: any of them move as one 2-D copy per run of a
+    block, with a row per block (rows a run's block stride apart on the GPU, `pool_span` in the pool)."""
+
+    runs: StridedRuns  # of block 0 (GpuLayout.rows)
+    first_block: int  # the first of these blocks
+    first_stretch: int  # its pool address
+    pool_span: int
+
+    @property
+    def min_blocks(self) -> int:
+        """The fewest blocks whose copies suit the copy engines (DMA_MIN_STRIDED_BYTES each)."""
+        return -(-DMA_MIN_STRIDED_BYTES // int(self.runs.width.min()))
+
+    def enqueue(self, first: int, end: int, lane: CopyLane) -> torch.cuda.Event | None:
+        """As _LinearBlocks.enqueue."""
+        if end - first < self.min_blocks:
+            return None
+        runs = self.runs
+        gpu = runs.gpu + (self.first_block + first) * runs.gpu_pitch
+        pool = runs.pool + (self.first_stretch + first * self.pool_span)
+        cuda_dma.copy_2d(gpu, runs.gpu_pitch, pool, self.pool_span, runs.width, end - first, lane.dma.cuda_stream)
+        return _recorded(lane.dma)
+
+
+def _dma_chunk(  # noqa: PLR0913
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane, first: int, end: int
 ) -> torch.cuda.Event | None:
-    """Enqueue blocks of a block-outermost cache on the copy engines when each is one stretch in the pool
-    (its pages consecutive, as the pool hands them out unless it is fragmented) and their runs (merged
-    where they continue each other) are DMA_MIN_MEAN_RUN_BYTES or more on average: the event of their
-    landing; else None, enqueuing nothing."""
+    """Enqueue blocks [first, end) of a block-outermost cache on the copy engines when each is one
+    stretch in the pool (its pages consecutive, as the pool hands them out unless it is fragmented)
+    and their runs (merged where they continue each other) are DMA_MIN_MEAN_RUN_BYTES or more on
+    average: the event of their landing; else None, enqueuing nothing."""
+    block_ids, page_ids = block_ids[first:end], page_ids[first:end]
     pool_blocks = layout.template.pool_stretches(pool_address, page_ids, layout.page_size)
     if pool_blocks is None:
         return None
@@ -271,25 +362,13 @@ def _dma_chunk(
     return _recorded(lane.dma)
 
 
-def _strided_chunk(
-    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane
+def _strided_chunk(  # noqa: PLR0913
+    layout: GpuLayout, block_ids: np.ndarray, pool_address: int, page_ids: np.ndarray, lane: CopyLane, first: int, end: int
 ) -> torch.cuda.Event | None:
-    """Enqueue blocks of a cache with several runs a block on the copy engines, one 2-D copy per run,
-    when they follow each other on both sides (GPU ids one apart, each block one stretch in the pool,
-    a block's pages apart) and each copy holds DMA_MIN_STRIDED_BYTES or more: the event of their
-    landing; else None, enqueuing nothing."""
-    template = layout.template
-    if len(block_ids) * template.narrowest_run < DMA_MIN_STRIDED_BYTES:  # (before any array work: most loads)
-        return None
-    pool_blocks = template.pool_stretches(pool_address, page_ids, layout.page_size)
-    span = page_ids.shape[1] * layout.page_size
-    if pool_blocks is None or not consecutive(block_ids, pool_blocks, span):
-        return None
-    runs = template.strided_runs(layout.bases, int(block_ids[0]), int(pool_blocks[0]))
-    if max(int(runs.gpu_pitch.max()), span) > cuda_dma.MAX_PITCH or (runs.width > runs.gpu_pitch).any():
-        return None  # (rows wider than their pitch: blocks that overlap, which the driver refuses)
-    cuda_dma.copy_2d(runs.gpu, runs.gpu_pitch, runs.pool, span, runs.width, len(block_ids), lane.dma.cuda_stream)
-    return _recorded(lane.dma)
+    """Enqueue blocks [first, end) of a cache with several runs a block on the copy engines when they
+    follow each other (`_following_blocks`); else None, enqueuing nothing."""
+    following = _following_blocks(layout, block_ids[first:end], pool_address, page_ids[first:end])
+    return None if following is None else following.enqueue(0, end - first, lane)
 
 
 def _chunk_starts(n: int, block_bytes: int, min_blocks: int) -> list[int]:

@@ -236,7 +236,8 @@ class DataService(pb_grpc.KVTierServicer):
     async def _load_cuda(
         self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer_now
     ) -> pb.LoadResponse:
-        """Copy, verify, answer (at once when `answer_now` is given), then release the lease."""
+        """Copy, verify, answer (at once when `answer_now` is given), then release the lease. Only what
+        the copy needs comes before it; the answer is made while its bytes move."""
         ns = lease.namespace
         try:
             count = len(lease.blocks)
@@ -244,18 +245,25 @@ class DataService(pb_grpc.KVTierServicer):
                 raise InvalidArgument(f"{len(target.device_block_ids)} device block ids for {count} blocks to load")
             targets = np.asarray(target.device_block_ids[:count], dtype=np.int64)
             registration.check_blocks(targets)
-            expected = self.store.checksum[lease.slots]
-            response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
+            expected = response = None
+
+            def prepare_answer() -> None:
+                nonlocal expected, response
+                expected = self.store.checksum[lease.slots]
+                response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
+
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                bad = checksum.mismatched(await self.gpu.load(registration, targets, pages, target.deadline_ns), expected)
-                if answer_now is not None and not bad.any():
+                sums = await self.gpu.load(registration, targets, pages, target.deadline_ns, meanwhile=prepare_answer)
+                bad = checksum.mismatched(sums, expected)
+                corrupt = bool(bad.any())
+                if answer_now is not None and not corrupt:
                     answer_now(response)  # the moment the bytes are seen in place
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
             late_ms = (time.monotonic_ns() - target.deadline_ns) / 1e6
             if target.deadline_ns and late_ms > 0:  # (the engine waits a while longer; it should not happen)
                 log.warning("cuda_ipc load seen done after its deadline", extra={"session": session_id, "late_ms": late_ms})
-            if bad.any():
+            if corrupt:
                 self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
                 self._drop_corrupt(ns, [block.hash for block, failed in zip(lease.blocks, bad.tolist(), strict=True) if failed])
                 raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")

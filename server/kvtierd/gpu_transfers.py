@@ -38,6 +38,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -175,19 +176,32 @@ class GpuTransfers:
         `registration.ready_event(index)`) has completed; their checksums."""
         return await self._run(registration, block_ids, page_ids, after=ready_event, deadline_ns=deadline_ns)
 
-    async def load(
-        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, deadline_ns: int = 0
+    async def load(  # noqa: PLR0913
+        self,
+        registration: CudaRegistration,
+        block_ids: np.ndarray,
+        page_ids: np.ndarray,
+        deadline_ns: int = 0,
+        meanwhile: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Copy pool blocks into engine blocks; the checksums of what was copied, as soon as the bytes
-        are seen in place."""
-        return await self._run(registration, block_ids, page_ids, after=None, deadline_ns=deadline_ns)
+        are seen in place. `meanwhile` runs once the copy is enqueued, while its bytes move (the
+        caller's work that need not hold up their start)."""
+        return await self._run(registration, block_ids, page_ids, after=None, deadline_ns=deadline_ns, meanwhile=meanwhile)
 
     async def _run(  # noqa: PLR0913
-        self, registration: CudaRegistration, block_ids: np.ndarray, page_ids: np.ndarray, after, deadline_ns: int
+        self,
+        registration: CudaRegistration,
+        block_ids: np.ndarray,
+        page_ids: np.ndarray,
+        after,
+        deadline_ns: int,
+        meanwhile: Callable[[], None] | None = None,
     ):
         """Enqueue the copy (a store, into the pool, once the engine's event `after` has completed; a
-        load when `after` is None) and poll it (see the module's notes); the registration stays open
-        until it has ended. A copy that cannot end by `deadline_ns` (0: none) is not started."""
+        load when `after` is None), run `meanwhile`, and poll the copy (see the module's notes); the
+        registration stays open until it has ended, whatever `meanwhile` raised. A copy that cannot
+        end by `deadline_ns` (0: none) is not started."""
         to_pool = after is not None
         if registration.closing:  # its session ended while the call waited (e.g. for a disk read)
             raise NotFound(f"cuda registration {registration.id!r} closed with its session")
@@ -206,7 +220,11 @@ class GpuTransfers:
                 await _landed(failed.enqueued, asyncio.get_running_loop().time())
                 raise
             self._clock.book(lane, to_pool, end)
-            await _landed(launched, end)
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                await _landed(launched, end)
             return launched.checksums()
         finally:
             registration.in_flight -= 1
