@@ -104,7 +104,6 @@ def sustained_aggregate_GBps(ranks: list[Rank], call, n: int, rounds: int) -> fl
 
 def through_daemon(address: str, rounds: int) -> dict:
     ranks = [Rank(address, gpu) for gpu in range(GPUS)]
-    seed, lock = iter(range(1_000_000)), threading.Lock()
     result = {"store_GBps": {}, "load_GBps": {}}
     try:
         for n in BATCHES:
@@ -115,10 +114,12 @@ def through_daemon(address: str, rounds: int) -> dict:
             def load(rank: Rank, caller: int, n=n, hashes=stored) -> None:
                 assert rank.client.load_cuda(rank.ns, list(range(caller * n, (caller + 1) * n)), hashes) == n
 
-            def store(rank: Rank, caller: int, n=n) -> None:
-                with lock:
-                    fresh = block_hashes(next(seed) + 1000 * n, n)
-                assert rank.client.store_cuda(rank.ns, fresh, list(range(caller * n, (caller + 1) * n)), rank.ready) == n
+            # hashes for every store (warm-up included), made before the clock starts (an engine has its
+            # hashes from vLLM); a list iterator's next holds the GIL, so the callers may share it
+            batches = iter([block_hashes(1000 * n + call, n) for call in range(GPUS * CALLERS * (rounds + 1))])
+
+            def store(rank: Rank, caller: int, n=n, batches=batches) -> None:
+                assert rank.client.store_cuda(rank.ns, next(batches), list(range(caller * n, (caller + 1) * n)), rank.ready) == n
 
             result["load_GBps"][n] = sustained_aggregate_GBps(ranks, load, n, rounds)  # before stores evict them
             result["store_GBps"][n] = sustained_aggregate_GBps(ranks, store, n, rounds)
