@@ -1,7 +1,8 @@
 """gpu_copy between a GPU KV cache and a mapped pool, as the shm fallback and the daemon run it:
 stores through the copy kernel; loads from consecutive pool pages through the copy engines in chunks
-(runs of whole blocks of a block-outermost cache, 2-D copies of a run of consecutive blocks in the
-other layouts; then a checksum pass on the GPU side), other loads through the kernel; all byte-exact
+(blocks that follow each other: one copy a chunk of a block-outermost cache, 2-D copies of a run of
+them in the other layouts; else runs of whole blocks of a block-outermost cache; then a checksum
+pass on the GPU side), other loads through the kernel; all byte-exact
 with kvtier.checksum's checksums, and never a kernel form the warm-up did not compile."""
 
 from __future__ import annotations

@@ -17,14 +17,14 @@ reached 39-49 GB/s where the kernel reached 50-52). A load goes through the copy
 into place, in chunks (`_chunk_starts`): a small first one, enqueued as soon as its copies are known
 (its bytes move while the rest is planned), the bulk, then two that shrink about twelvefold each.
 Blocks that follow each other on both sides (GPU ids and pool pages one apart: a prefix loaded into
-a fresh cache) are recognised once per load, and each of their chunks is then one copy into a
-block-outermost cache (BLHNC) and one 2-D copy per layer, a row per block, into a layer-major one
-(LBHNC), worked out with a few integers (`_following_blocks`: on the H200's host each numpy call
-before the first byte costs 3-10 us). Into a BLHNC cache other chunks move as runs of whole blocks
-(merged where consecutive, one driver call). The kernel adds up each chunk's checksums in HBM on a
-second stream while the next, smaller chunk still moves (HBM is some fifteen times faster than
-PCIe), so only a block or so's pass follows the last byte. Into an LBHNC cache, only chunks of
-blocks that follow each other go to the copy engines;
+a fresh cache) are recognised once per load, and each of their chunks is then worked out with a few
+integers (`_following_blocks`: on the H200's host each numpy call before the first byte costs 3-10
+us): one copy into a block-outermost cache (BLHNC) whose blocks fill their pages, else one 2-D copy
+per run of a block (per layer, into a layer-major LBHNC cache) with a row per block. Into a BLHNC
+cache other chunks move as runs of whole blocks (merged where consecutive, one driver call). The
+kernel adds up each chunk's checksums in HBM on a second stream while the next, smaller chunk still
+moves (HBM is some fifteen times faster than PCIe), so only a block or so's pass follows the last
+byte. Into an LBHNC cache, only chunks of blocks that follow each other go to the copy engines;
 each 2-D copy costs the copy engines about 3 us beyond its bytes, so every chunk holds
 DMA_MIN_STRIDED_BYTES per copy or more (64 blocks of 64 KiB layers: a load of fewer than twice that
 is one chunk, and its whole checksum pass follows the last byte). A chunk
@@ -105,7 +105,8 @@ def _copy_blocks(
 class GpuLayout:
     """A KV cache's segment template (for one pool page size) and allocation bases, with the template
     on the cache's GPU: per segment, its GPU address in block 0, GPU bytes between blocks, page of the
-    block, offset in that page, length in words and first word's position in the block."""
+    block, offset in that page, length in words and first word's position in the block; and block
+    0's runs as 2-D copies' first rows (`rows`, for loads of blocks that follow each other)."""
 
     template: SegmentTemplate
     bases: np.ndarray  # int64 device address of each allocation
@@ -253,9 +254,10 @@ def _load_in_place(
     (`_dma_chunk`, or `_following_blocks` per chunk for caches with several runs a block). None when
     the copy engines take no part (a driver without cuMemcpyBatchAsync, or no chunk they suit)."""
     n, template = len(block_ids), layout.template
-    too_few = not template.one_run and n * template.narrowest_run < DMA_MIN_STRIDED_BYTES  # (most loads: no array work)
-    if not cuda_dma.available() or too_few:
+    if not cuda_dma.available():
         return None
+    if not template.one_run and (layout.rows is None or n * template.narrowest_run < DMA_MIN_STRIDED_BYTES):
+        return None  # (most loads of such caches: no chunk could go to the copy engines; no array work)
     following = _following_blocks(layout, block_ids, pool_address, page_ids)
     if following is not None:
         chunk, min_blocks = functools.partial(following.enqueue, lane=lane), following.min_blocks
@@ -299,7 +301,7 @@ class _LinearBlocks:
 
     gpu: int  # the first block's address on the GPU
     pool: int  # and in the pool
-    block_bytes: int
+    block_bytes: int  # (its block stride on the GPU and its pages' span in the pool too)
 
     @property
     def min_blocks(self) -> int:
@@ -328,8 +330,11 @@ class _StridedBlocks:
 
     @property
     def min_blocks(self) -> int:
-        """The fewest blocks whose copies suit the copy engines (DMA_MIN_STRIDED_BYTES each)."""
-        return -(-DMA_MIN_STRIDED_BYTES // int(self.runs.width.min()))
+        """The fewest blocks whose copies suit the copy engines: DMA_MIN_STRIDED_BYTES each, or
+        DMA_MIN_MEAN_RUN_BYTES for the one copy of a block that is one run (a block-outermost cache
+        whose blocks leave a tail of their last page unused: rows of a whole block)."""
+        least = DMA_MIN_MEAN_RUN_BYTES if len(self.runs.width) == 1 else DMA_MIN_STRIDED_BYTES
+        return -(-least // int(self.runs.width.min()))
 
     def enqueue(self, first: int, end: int, lane: CopyLane) -> torch.cuda.Event | None:
         """As _LinearBlocks.enqueue."""
