@@ -176,10 +176,11 @@ def main() -> None:
         "daemon_gpu_memory_mib": daemon_mib,
         "copy_paths": "stores: one Triton kernel launch per call (copy + checksum), the kernel working out every "
         "segment's addresses from the block ids and pool pages; loads from consecutive pool pages: the copy engines, "
-        "in chunks each checksummed in HBM while the next moves (BLHNC: runs of whole blocks, cuMemcpyBatchAsync, in "
-        "three shrinking chunks; LBHNC: for chunks of 64 or more consecutive blocks, one 2-D copy per layer, "
-        "cuMemcpy2DAsync); other loads: the kernel. The daemon's event loop polls each copy from shortly before it "
-        "can have ended",
+        "in chunks each checksummed in HBM while the next moves (blocks that all follow each other on both sides, as "
+        "in this benchmark: one cuMemcpyAsync a chunk into BLHNC, three shrinking chunks; one 2-D copy per layer a "
+        "chunk into LBHNC, cuMemcpy2DAsync, chunks of 64 or more blocks; other BLHNC loads: runs of whole blocks, "
+        "cuMemcpyBatchAsync); other loads: the kernel. The daemon's event loop polls each copy from shortly before "
+        "it can have ended",
         "layouts": layouts,
     }
     command = "python bench/transfer_gpu.py" + (f" --rounds {rounds}" if rounds != 10 else "")
