@@ -129,7 +129,7 @@ def test_link_clock_queues_a_lane_and_shares_the_link_between_lanes():
 def transfers_with(launch) -> tuple[gpu_transfers.GpuTransfers, gpu_transfers.CudaRegistration]:
     """A daemon's GpuTransfers on a CPU, with one registration, whose copies `launch` enqueues."""
     transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)
-    registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, [], None)
+    registration = gpu_transfers.CudaRegistration("reg", "session", "ns", 0, [], SimpleNamespace(block_bytes=4096), 8, [])
     transfers._registrations[registration.id] = registration
     transfers._next_lane[0] = itertools.cycle([Lane("cuda:0", "a")])
     transfers._launch = launch
@@ -171,23 +171,32 @@ def test_a_copy_failing_after_part_was_enqueued_waits_for_that_part_while_the_lo
     assert registration.in_flight == 0 and registration.closed.is_set()
 
 
+@dataclass
+class LandingCopy(CopyEndingAt):
+    """A launched copy that also has its checksums once done (gpu_copy.LaunchedCopy)."""
+
+    def checksums(self) -> np.ndarray:
+        assert self.finished()
+        return np.array([7, 8], dtype=np.uint64)
+
+
 def test_a_loads_meanwhile_runs_once_its_copy_is_enqueued_and_before_it_has_landed():
     """The data service makes a load's answer while its bytes move (`meanwhile`): after the launch,
-    before the copy is seen done; the copy (and its checksums) comes once it has landed."""
+    before the copy is seen done; the checksums come once it has landed."""
 
     async def main():
         loop = asyncio.get_running_loop()
-        copy, launches, meanwhile = CopyEndingAt(loop.time() + 0.030), [], []
+        copy, launches, meanwhile = LandingCopy(loop.time() + 0.030), [], []
         transfers, registration = transfers_with(lambda *args: launches.append(loop.time()) or copy)
         sums = await transfers.load(
-            registration, np.arange(2), np.zeros((2, 1), dtype=np.int64), meanwhile=lambda _end_ns: meanwhile.append(loop.time())
+            registration, np.arange(2), np.zeros((2, 1), dtype=np.int64), meanwhile=lambda: meanwhile.append(loop.time())
         )
         return copy, launches, meanwhile, sums, loop.time()
 
     copy, launches, meanwhile, sums, returned = run_on_virtual_clock(main())
     assert len(launches) == 1 and meanwhile == launches  # right after the launch, in the same turn
     assert meanwhile[0] < copy.end <= copy.checks[-1] <= returned
-    assert sums is copy
+    assert sums.tolist() == [7, 8]
 
 
 def test_a_loads_meanwhile_failing_goes_up_only_once_the_copy_has_landed():
@@ -196,10 +205,10 @@ def test_a_loads_meanwhile_failing_goes_up_only_once_the_copy_has_landed():
 
     async def main():
         loop = asyncio.get_running_loop()
-        copy = CopyEndingAt(loop.time() + 0.030)
+        copy = LandingCopy(loop.time() + 0.030)
         transfers, registration = transfers_with(lambda *args: copy)
 
-        def failing(copy_end_ns: int):
+        def failing():
             raise ValueError("a bug in the answer")
 
         blocks, pages = np.arange(2), np.zeros((2, 1), dtype=np.int64)

@@ -195,17 +195,11 @@ class KVTierClient:
     def load_cuda(  # noqa: PLR0913
         self, ns: ops.Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
     ) -> int:
-        """See ops.load_cuda: how many blocks are in place and verified on return. `deadline_ns`
-        defaults to `cuda_deadline_ns()`, and the answer (and then the verdict on the board, for a
-        load answered at its launch) is waited for until CUDA_ANSWER_GRACE_S past it."""
+        """See ops.load_cuda; `deadline_ns` defaults to `cuda_deadline_ns()`, and the answer is waited
+        for until CUDA_ANSWER_GRACE_S past it."""
         deadline_ns = deadline_ns or self.cuda_deadline_ns()
         op = ops.load_cuda(self.state, ns, device_block_ids, hashes, lease_id, deadline_ns)
-        response = self._run(op, self._cuda_wait(deadline_ns))
-        if response.verdict_seq:
-            board = self.state.verdict_board(ns.cuda_verdicts)
-            give_up_ns = deadline_ns + int(CUDA_ANSWER_GRACE_S * 1e9)
-            board.wait(response.verdict_slot, response.verdict_seq, response.copy_end_ns, give_up_ns, lambda: self.connected)
-        return response.block_count
+        return self._run(op, self._cuda_wait(deadline_ns))
 
     def store_cuda(  # noqa: PLR0913
         self, ns: ops.Namespace, hashes: Sequence[bytes], device_block_ids: Sequence[int], ready_event: int, deadline_ns: int = 0

@@ -101,49 +101,6 @@ def _copy_blocks(
     tl.store(sums.to(tl.pointer_type(tl.uint64)) + block * segment_count + s, tl.sum(total, axis=0))
 
 
-@triton.jit(do_not_specialize=["sums", "expected", "blocks", "segment_count", "words", "word"])
-def _judge(
-    sums,  # address of int64 [blocks, segment_count]: each segment's partial checksum (_copy_blocks')
-    expected,  # address of int64 [blocks]: the blocks' stored checksums (0: unknown, matches anything)
-    blocks,
-    segment_count,
-    words,  # address of int64 [2]: the word meaning "all match", then the one meaning "one does not"
-    word,  # address of the int64 to write it to (a verdict board's slot)
-    BLOCKS: tl.constexpr,
-    SEGMENTS: tl.constexpr,
-):
-    """One program: each block's checksum from its partial sums (as kvtier.checksum.combine), compared
-    with the stored one; then the verdict, the only word written."""
-    sums = sums.to(tl.pointer_type(tl.uint64))
-    expected = expected.to(tl.pointer_type(tl.uint64))
-    bad = tl.zeros([BLOCKS], dtype=tl.int32)
-    for first in range(0, blocks, BLOCKS):
-        block = first + tl.arange(0, BLOCKS)
-        inside = block < blocks
-        total = tl.zeros([BLOCKS], dtype=tl.uint64)
-        for first_segment in range(0, segment_count, SEGMENTS):
-            segment = first_segment + tl.arange(0, SEGMENTS)
-            mask = inside[:, None] & (segment[None, :] < segment_count)
-            total += tl.sum(tl.load(sums + block[:, None] * segment_count + segment[None, :], mask=mask, other=0), axis=1)
-        total = tl.maximum(total, tl.full([BLOCKS], 1, tl.uint64))  # (a computed 0 counts as 1)
-        stored = tl.load(expected + block, mask=inside, other=0)
-        bad += ((stored != 0) & (total != stored)).to(tl.int32)
-    words = words.to(tl.pointer_type(tl.int64))
-    verdict = tl.where(tl.sum(bad, axis=0) == 0, tl.load(words), tl.load(words + 1))
-    tl.store(word.to(tl.pointer_type(tl.int64)), verdict)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the GPU writes, and where, once a load's blocks are in place and checked (a slot of a
-    verdict board, kvtier.verdicts)."""
-
-    word: int  # the slot's address (host memory registered with CUDA)
-    ok: int  # written when every block matches its stored checksum
-    bad: int  # written when one does not
-    expected: np.ndarray  # the blocks' stored checksums (uint64; 0: unknown)
-
-
 @dataclass(frozen=True)
 class GpuLayout:
     """A KV cache's segment template (for one pool page size) and allocation bases, with the template
@@ -216,40 +173,25 @@ class LaunchedCopy:
 
 @dataclass
 class _Call:
-    """One call's arrays in pinned memory, which the kernels read and write in place: block ids, pool
-    pages, the partial checksums, then for a load with a verdict the stored checksums and the
-    verdict's two words."""
+    """One call's arrays in pinned memory, which the kernel reads and writes in place: block ids,
+    pool pages, then the partial checksums."""
 
     memory: torch.Tensor
     blocks: int
     pages_per_block: int
-    segments: int
 
     @classmethod
-    def of(cls, layout: GpuLayout, block_ids: np.ndarray, page_ids: np.ndarray, verdict: Verdict | None = None) -> _Call:
+    def of(cls, layout: GpuLayout, block_ids: np.ndarray, page_ids: np.ndarray) -> _Call:
         n, pages_per_block = page_ids.shape
-        sums_end = n * (1 + pages_per_block + layout.segment_count)
-        memory = torch.empty(sums_end + (n + 2 if verdict else 0), dtype=torch.int64, pin_memory=True)
+        memory = torch.empty(n * (1 + pages_per_block + layout.segment_count), dtype=torch.int64, pin_memory=True)
         fields = memory.numpy()
         fields[:n] = block_ids
         fields[n : n * (1 + pages_per_block)] = page_ids.ravel()
-        if verdict is not None:
-            fields[sums_end:] = np.concatenate([verdict.expected.view(np.int64), [verdict.ok, verdict.bad]])
-        return cls(memory, n, pages_per_block, layout.segment_count)
-
-    @property
-    def _sums_at(self) -> int:
-        return self.blocks * (1 + self.pages_per_block)
+        return cls(memory, n, pages_per_block)
 
     @property
     def sums(self) -> np.ndarray:
-        return self.memory.numpy()[self._sums_at : self._sums_at + self.blocks * self.segments].reshape(self.blocks, -1)
-
-    def judge(self, word: int) -> None:
-        """Enqueue the verdict (`_judge`) on the current stream, after the copy and its checksums."""
-        sums = self.memory.data_ptr() + 8 * self._sums_at
-        expected = sums + 8 * self.blocks * self.segments
-        _judge[(1,)](sums, expected, self.blocks, self.segments, expected + 8 * self.blocks, word, BLOCKS=64, SEGMENTS=64)
+        return self.memory.numpy()[self.blocks * (1 + self.pages_per_block) :].reshape(self.blocks, -1)
 
     def launch(self, layout: GpuLayout, pool_address: int, first: int, count: int, mode: int) -> None:
         """The kernel over blocks [first, first + count) of the call, on the current stream (a launch per
@@ -273,11 +215,9 @@ def launch_copy(
     to_pool: bool,
     lane: CopyLane,
     after=None,
-    verdict: Verdict | None = None,
 ) -> LaunchedCopy:
     """Enqueue the copy of whole blocks between a GPU KV cache and pool pages (page_ids[i] holds
-    block_ids[i]) on `lane`, after the event `after` (if any; stores), and for a load with a
-    `verdict` its writing once the blocks are in place and checked; returns at once. A load's
+    block_ids[i]) on `lane`, after the event `after` (if any; stores); returns at once. A load's
     copy engines start before anything else is prepared. Should anything fail after something may
     have been enqueued, LaunchFailed goes up, with what was enqueued to wait for (the lane is not
     drained here: the daemon's event loop waits for it by polling, serving other calls meanwhile)."""
@@ -288,7 +228,7 @@ def launch_copy(
     try:
         with torch.cuda.device(lane.device):
             plan = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
-            call = _Call.of(layout, block_ids, page_ids, verdict)
+            call = _Call.of(layout, block_ids, page_ids)
             with torch.cuda.stream(lane.kernel):
                 if after is not None:
                     lane.kernel.wait_event(after)
@@ -298,8 +238,6 @@ def launch_copy(
                     else:
                         lane.kernel.wait_event(landed)
                         call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
-                if verdict is not None:
-                    call.judge(verdict.word)
             return LaunchedCopy(_recorded(lane.kernel), call.memory, call.sums)
     except Exception as exc:
         raise LaunchFailed(_lane_drained(lane)) from exc
@@ -478,17 +416,14 @@ def copy_blocks(*args, **kwargs) -> np.ndarray:
 
 
 def compile_kernel() -> None:
-    """Compile the copy kernel's three forms and the verdict's kernel (a second or two each, once per
-    process) by running them over one block of one word in the current device's memory (other
-    devices load the compiled kernels, which is quick). Every launch after that has the same argument
-    types: nothing more to compile."""
+    """Compile the kernel's three forms (a second or two each, once per process) by running them over
+    one block of one word in the current device's memory (other devices load the compiled kernel,
+    which is quick). Every launch after that has the same argument types: nothing more to compile."""
     device = torch.device("cuda", torch.cuda.current_device())
-    words = torch.zeros(3, dtype=torch.int64, device=device)
+    words = torch.zeros(2, dtype=torch.int64, device=device)
     template = SegmentTemplate.build([Run(0, 0, 8, 8)], 8)
     layout = GpuLayout.on(template, np.array([words.data_ptr()], dtype=np.int64), 8, device)
-    verdict = Verdict(words.data_ptr() + 16, 1, 2, np.zeros(1, dtype=np.uint64))
-    call = _Call.of(layout, np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=np.int64), verdict)
+    call = _Call.of(layout, np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=np.int64))
     for mode in (TO_POOL, FROM_POOL, CHECK_IN_PLACE):
         call.launch(layout, words.data_ptr(), 0, 1, mode)
-    call.judge(verdict.word)
     torch.cuda.current_stream().synchronize()

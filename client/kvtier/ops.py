@@ -8,14 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from kvtier import checksum
 from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.verdicts import VerdictBoard
 
 Op = Generator[tuple[str, object], object, object]
 
@@ -32,7 +30,6 @@ class Namespace:
     pages_per_block: int
     cuda_registration: str = ""  # set when the daemon accepted the session's GPU KV cache (TRANSPORT_CUDA_IPC)
     cuda_refused: str = ""  # why it did not
-    cuda_verdicts: str = ""  # the file name of its verdict board (kvtier.verdicts), beside the pool's
 
     @property
     def hash_bytes(self) -> int:
@@ -75,7 +72,6 @@ class SessionState:
     limits: pb.Limits | None = None
     _mapping: PoolMapping | None = None
     _mapped_pool_id: str = ""
-    _boards: dict[str, VerdictBoard] = field(default_factory=dict)  # mapped verdict boards, by file name
 
     def pool(self) -> PoolMapping:
         if self.pool_info is None:
@@ -87,21 +83,10 @@ class SessionState:
             self._mapped_pool_id = info.pool_id
         return self._mapping
 
-    def verdict_board(self, name: str) -> VerdictBoard:
-        """The verdict board `name` (RegisterResponse.cuda_verdicts), mapped on first use."""
-        if name not in self._boards:
-            if self.pool_info is None:
-                raise ConnectionError("no session: connect first")
-            self._boards[name] = VerdictBoard(Path(self.pool_info.shm_path).with_name(name))
-        return self._boards[name]
-
     def close_pool(self) -> None:
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
-        for board in self._boards.values():
-            board.close()
-        self._boards.clear()
 
 
 def join_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
@@ -118,7 +103,6 @@ def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCach
         response.pages_per_block,
         response.cuda_registration,
         response.cuda_refused,
-        response.cuda_verdicts,
     )
 
 
@@ -175,16 +159,9 @@ def load_cuda(  # noqa: PLR0913
     state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
 ) -> Op:
     """The daemon copies the leading present blocks into the engine's GPU blocks `device_block_ids`
-    (in order) and checks them; returns its LoadResponse. With a verdict board (ns.cuda_verdicts) the
-    answer may come as soon as the copy is enqueued (verdict_seq > 0: the copy is over once the board
-    says so); else, once the blocks are in place. A checksum failure raises grpc DATA_LOSS; a copy
+    (in order) and checks them; returns how many. A checksum failure raises grpc DATA_LOSS; a copy
     that could not end by `deadline_ns` (CLOCK_MONOTONIC, 0: none) is not started (DEADLINE_EXCEEDED)."""
-    target = pb.CudaIpcTarget(
-        registration_id=ns.cuda_registration,
-        device_block_ids=device_block_ids,
-        deadline_ns=deadline_ns,
-        answer_at_launch=bool(ns.cuda_verdicts),
-    )
+    target = pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns)
     request = pb.LoadRequest(
         session_id=state.session_id,
         namespace=ns.id,
@@ -193,7 +170,8 @@ def load_cuda(  # noqa: PLR0913
         transport=pb.TRANSPORT_CUDA_IPC,
         cuda_ipc=target,
     )
-    return (yield "Load", request)
+    response = yield "Load", request
+    return response.block_count
 
 
 def store_cuda(  # noqa: PLR0913

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 
 import numpy as np
 
-from kvtier import checksum, verdicts
+from kvtier import checksum
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -36,10 +35,6 @@ log = logging.getLogger("kvtierd.data")
 
 # Room left in a message for everything but block bytes.
 _MESSAGE_OVERHEAD = 64 << 10
-# After a load answered at its launch has landed, its checks, metrics and release wait this long: the
-# engine may send its next call at once, and the event loop serves that first (the pages stay pinned
-# this much longer).
-TAIL_DELAY_S = 0.001
 
 
 class DataService(pb_grpc.KVTierServicer):
@@ -65,7 +60,6 @@ class DataService(pb_grpc.KVTierServicer):
         self.gpu = gpu
         self.data_socket = data_socket  # the data socket's file name, offered to every session
         self._closing = asyncio.Event()
-        self._copies: set[asyncio.Task] = set()  # loads answered at their launch, until their copies end
 
     def close_sessions(self) -> None:
         """Shutting down: end every session stream now instead of waiting out the grace period."""
@@ -123,7 +117,6 @@ class DataService(pb_grpc.KVTierServicer):
             try:
                 registration = self.gpu.register(session.id, request.cuda_kv, ns.id, ns.block_bytes, request.monotonic_ns)
                 response.cuda_registration = registration.id
-                response.cuda_verdicts = registration.verdicts.path.name if registration.verdicts else ""
             except (FailedPrecondition, InvalidArgument) as exc:  # the namespace stands; the engine uses TRANSPORT_SHM
                 response.cuda_refused = str(exc)
                 log.warning("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
@@ -240,53 +233,12 @@ class DataService(pb_grpc.KVTierServicer):
             return await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
         return self._load_inline(session.id, lease)
 
-    async def _load_cuda(  # noqa: PLR0913
+    async def _load_cuda(
         self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer_now
     ) -> pb.LoadResponse:
-        """Copy, verify, answer, then release the lease. When the engine asked for it and its
-        registration has a verdict board, the answer goes as soon as the copy is enqueued (the GPU
-        writes the outcome on the board) and the copy goes on in a task of its own, so the engine's
-        next call is read meanwhile; else the answer goes the moment the bytes are seen in place
-        (at once with `answer_now`, the data socket's; over gRPC on return)."""
-        board = registration.verdicts if target.answer_at_launch else None
-        slot = board.take() if board is not None else None  # (None: every slot in flight; answered when done)
-        if slot is None:
-            return await self._copy_in(session_id, lease, registration, target, answer_now)
-        launched = asyncio.get_running_loop().create_future()
-
-        def answer(response: pb.LoadResponse) -> None:
-            if not launched.done():  # (the caller may have gone)
-                launched.set_result(response)
-
-        copy = asyncio.ensure_future(self._copy_in(session_id, lease, registration, target, answer, (board, slot)))
-        self._copies.add(copy)
-        copy.add_done_callback(functools.partial(self._copy_over, launched))
-        await asyncio.wait((launched, copy), return_when=asyncio.FIRST_COMPLETED)
-        return launched.result() if launched.done() else copy.result()
-
-    def _copy_over(self, launched: asyncio.Future, copy: asyncio.Task) -> None:
-        """A load answered at its launch has ended; its failure after the answer is logged here (the
-        engine had it from the board; one before the answer went to the caller)."""
-        self._copies.discard(copy)
-        error = None if copy.cancelled() else copy.exception()
-        if launched.done() and error is not None:
-            log.warning("cuda_ipc load failed after its answer", extra={"reason": str(error)})
-
-    async def copies_done(self, timeout: float) -> None:
-        """Shutting down: wait (up to `timeout`) for the loads answered at their launch to end."""
-        if self._copies:
-            await asyncio.wait(set(self._copies), timeout=timeout)
-
-    async def _copy_in(  # noqa: PLR0913
-        self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer, verdict_slot=None
-    ) -> pb.LoadResponse:
-        """The copy of a load, verified, and its lease released. `answer(response)` is called at the
-        launch when `verdict_slot` (a board and its slot) is given, else once the bytes are seen in
-        place and verified (None: the caller answers on return). After a load answered at its launch,
-        the rest (checks, metrics, the release) waits TAIL_DELAY_S, so that the engine's next call,
-        which may come at once, is not held up behind it."""
+        """Copy, verify, answer (at once when `answer_now` is given), then release the lease. Only what
+        the copy needs comes before it; the answer is made while its bytes move."""
         ns = lease.namespace
-        board, slot = verdict_slot or (None, None)
         try:
             count = len(lease.blocks)
             if len(target.device_block_ids) < count:
@@ -294,27 +246,19 @@ class DataService(pb_grpc.KVTierServicer):
             targets = np.asarray(target.device_block_ids[:count], dtype=np.int64)
             registration.check_blocks(targets)
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
-            expected = self.store.checksum[lease.slots]
-            verdict = None if slot is None else board.verdict(*slot, expected)
-            response = None
+            expected = response = None
 
-            def launched(copy_end_ns: int) -> None:
-                nonlocal response
+            def prepare_answer() -> None:
+                nonlocal expected, response
+                expected = self.store.checksum[lease.slots]
                 response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
-                if slot is not None:
-                    response.verdict_slot, response.verdict_seq = slot
-                    response.copy_end_ns = copy_end_ns
-                    answer(response)  # the engine reads the rest on the board
 
             with self.metrics.cuda_copy_seconds.labels("load").time():
-                copy = await self.gpu.load(registration, targets, pages, target.deadline_ns, launched, verdict)
-            verified = slot is not None and board.status(*slot) == verdicts.OK  # (the GPU's verdict: as below)
-            if slot is not None:
-                await asyncio.sleep(TAIL_DELAY_S)
-            bad = np.zeros(count, dtype=bool) if verified else checksum.mismatched(copy.checksums(), expected)
-            corrupt = bool(bad.any())
-            if answer is not None and slot is None and not corrupt:
-                answer(response)  # the moment the bytes are seen in place
+                sums = await self.gpu.load(registration, targets, pages, target.deadline_ns, meanwhile=prepare_answer)
+                bad = checksum.mismatched(sums, expected)
+                corrupt = bool(bad.any())
+                if answer_now is not None and not corrupt:
+                    answer_now(response)  # the moment the bytes are seen in place
             self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
             late_ms = (time.monotonic_ns() - target.deadline_ns) / 1e6
             if target.deadline_ns and late_ms > 0:  # (the engine waits a while longer; it should not happen)
@@ -325,8 +269,6 @@ class DataService(pb_grpc.KVTierServicer):
                 raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
             return response
         finally:
-            if slot is not None:
-                board.give_back(slot[0])
             with contextlib.suppress(NotFound):  # it expired during the copy: nothing left to release
                 self.store.release(session_id, lease.id)
 

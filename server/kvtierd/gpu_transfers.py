@@ -13,10 +13,6 @@ is done. No thread wakes up and no lock changes hands between the last byte and 
 goes on the moment the copy is seen done (a load answers from there); the cost is the loop
 spinning from about a millisecond before the copy can have ended (uvloop's timers count whole
 milliseconds) until it is seen done.
-A load may instead be answered as soon as it is enqueued (`answer_at_launch`): the GPU then writes
-its outcome into the registration's verdict board (verdict_board.VerdictBoard, kvtier.verdicts),
-which the engine reads, after the copy and its checksum check; the daemon still polls the copy, to
-release its lease and drop blocks that failed, off the engine's path.
 A store's copy is enqueued once the ready event it names (the one its engine recorded after the
 forward that wrote its blocks) is seen complete from the host (`_engine_ready`): the engine's stream
 never waits for a store, and none of the daemon's streams ever waits for an engine's work, so no
@@ -44,14 +40,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvtierd.verdict_board import VerdictBoard
 
 log = logging.getLogger("kvtierd.gpu")
 
@@ -78,7 +72,6 @@ class CudaRegistration:
     layout: object  # gpu_copy.GpuLayout over the storages
     num_blocks: int
     ready_events: list  # torch.cuda.Events opened from the engine's ring of handles
-    verdicts: VerdictBoard | None  # where loads answered at launch get their outcome (None: answered when done)
     in_flight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -100,8 +93,6 @@ class GpuTransfers:
     page_size: int
     pool_registered: bool
     kernel_error: str = ""  # why the copy kernel failed to compile at start-up (cuda_ipc is then refused)
-    pool_path: Path | None = None  # verdict boards are files beside the pool's (None: no boards)
-    shm_mode: int = 0o600  # the pool's mode; a board's drops write for all but the daemon's user
     _registrations: dict[str, CudaRegistration] = field(default_factory=dict)
     _clock: LinkClock = field(default_factory=lambda: LinkClock())
     _lanes: dict[int, list] = field(default_factory=dict)  # per GPU: its gpu_copy.CopyLanes
@@ -140,9 +131,8 @@ class GpuTransfers:
                 lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
                 self._lanes[device_index] = lanes
                 self._next_lane[device_index] = itertools.cycle(lanes)
-        registration_id = uuid.uuid4().hex
         registration = CudaRegistration(
-            id=registration_id,
+            id=uuid.uuid4().hex,
             session_id=session_id,
             namespace_id=namespace_id,
             device_index=device_index,
@@ -150,7 +140,6 @@ class GpuTransfers:
             layout=layout,
             num_blocks=cache.num_blocks,
             ready_events=ready,
-            verdicts=self._verdict_board(registration_id),
         )
         for earlier in [r for r in self._registrations.values() if (r.session_id, r.namespace_id) == (session_id, namespace_id)]:
             self._retire(earlier)  # a session re-registering a namespace does not pile up mappings
@@ -165,16 +154,6 @@ class GpuTransfers:
             },
         )
         return registration
-
-    def _verdict_board(self, registration_id: str) -> VerdictBoard | None:
-        if self.pool_path is None:
-            return None
-        path = self.pool_path.with_name(f"{self.pool_path.stem}.{registration_id[:16]}.verdicts")
-        try:
-            return VerdictBoard.create(path, self.shm_mode & 0o640 | 0o600)
-        except OSError as exc:  # (its loads are answered when done)
-            log.warning("cuda_ipc verdict board not made", extra={"path": str(path), "reason": str(exc)})
-            return None
 
     def registration(self, session_id: str, registration_id: str, namespace_id: str) -> CudaRegistration:
         registration = self._registrations.get(registration_id)
@@ -195,7 +174,7 @@ class GpuTransfers:
     ) -> np.ndarray:
         """Copy engine blocks into pool blocks once the engine's `ready_event` (one of its ring:
         `registration.ready_event(index)`) has completed; their checksums."""
-        return (await self._run(registration, block_ids, page_ids, after=ready_event, deadline_ns=deadline_ns)).checksums()
+        return await self._run(registration, block_ids, page_ids, after=ready_event, deadline_ns=deadline_ns)
 
     async def load(  # noqa: PLR0913
         self,
@@ -203,15 +182,12 @@ class GpuTransfers:
         block_ids: np.ndarray,
         page_ids: np.ndarray,
         deadline_ns: int = 0,
-        meanwhile: Callable[[int], None] | None = None,
-        verdict=None,
-    ):
-        """Copy pool blocks into engine blocks; the copy (gpu_copy.LaunchedCopy, whose `checksums()`
-        are those of what was copied) as soon as the bytes are seen in place. `meanwhile` runs once
-        the copy is enqueued, while its bytes move (the caller's work that need not hold up their
-        start), given the soonest the copy can end (CLOCK_MONOTONIC ns). With a `verdict`
-        (gpu_copy.Verdict) the GPU writes it once the bytes are in place and checked."""
-        return await self._run(registration, block_ids, page_ids, None, deadline_ns, meanwhile, verdict)
+        meanwhile: Callable[[], None] | None = None,
+    ) -> np.ndarray:
+        """Copy pool blocks into engine blocks; the checksums of what was copied, as soon as the bytes
+        are seen in place. `meanwhile` runs once the copy is enqueued, while its bytes move (the
+        caller's work that need not hold up their start)."""
+        return await self._run(registration, block_ids, page_ids, after=None, deadline_ns=deadline_ns, meanwhile=meanwhile)
 
     async def _run(  # noqa: PLR0913
         self,
@@ -220,8 +196,7 @@ class GpuTransfers:
         page_ids: np.ndarray,
         after,
         deadline_ns: int,
-        meanwhile: Callable[[int], None] | None = None,
-        verdict=None,
+        meanwhile: Callable[[], None] | None = None,
     ):
         """Enqueue the copy (a store, into the pool, once the engine's event `after` has completed; a
         load when `after` is None), run `meanwhile`, and poll the copy (see the module's notes); the
@@ -235,34 +210,31 @@ class GpuTransfers:
             if to_pool:
                 await _engine_ready(registration, after, deadline_ns)
             lane = next(self._next_lane[registration.device_index])
-            now, now_ns = asyncio.get_running_loop().time(), time.monotonic_ns()
+            now = asyncio.get_running_loop().time()
             end = self._clock.expected_end(now, lane, to_pool, len(block_ids) * registration.layout.block_bytes)
-            end_ns = now_ns + int((end - now) * 1e9)
-            if deadline_ns and end_ns > deadline_ns:
+            if deadline_ns and time.monotonic_ns() + (end - now) * 1e9 > deadline_ns:
                 raise DeadlineExceeded("the copy could not end by the call's deadline; nothing was copied")
             try:
-                launched = self._launch(registration, lane, block_ids, page_ids, to_pool, verdict)
+                launched = self._launch(registration, lane, block_ids, page_ids, to_pool)
             except LaunchFailed as failed:  # what went to the GPU lands before the pages are freed
                 await _landed(failed.enqueued, asyncio.get_running_loop().time())
                 raise
             self._clock.book(lane, to_pool, end)
             try:
                 if meanwhile is not None:
-                    meanwhile(end_ns)
+                    meanwhile()
             finally:
                 await _landed(launched, end)
-            return launched
+            return launched.checksums()
         finally:
             registration.in_flight -= 1
             if registration.closing and registration.in_flight == 0:
                 self._close(registration)
 
-    def _launch(  # noqa: PLR0913
-        self, registration: CudaRegistration, lane, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool, verdict
-    ):
+    def _launch(self, registration: CudaRegistration, lane, block_ids: np.ndarray, page_ids: np.ndarray, to_pool: bool):
         from kvtier.gpu_copy import launch_copy  # noqa: PLC0415 (needs triton)
 
-        return launch_copy(registration.layout, block_ids, self.pool_address, page_ids, to_pool, lane, verdict=verdict)
+        return launch_copy(registration.layout, block_ids, self.pool_address, page_ids, to_pool, lane)
 
     # ------------------------------------------------------------------ teardown
 
@@ -288,8 +260,6 @@ class GpuTransfers:
         self._registrations.pop(registration.id, None)
         registration.storages.clear()
         registration.ready_events.clear()
-        if registration.verdicts is not None:  # (the engine's mapping of it stays valid)
-            registration.verdicts.close()
         registration.closed.set()
         log.info("cuda_ipc closed", extra={"session": registration.session_id, "registration": registration.id})
 

@@ -153,7 +153,7 @@ def build(config: Config) -> Daemon:
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ]
     )
-    gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered, pool_path=pool.path, shm_mode=config.shm_mode)
+    gpu = GpuTransfers(pool.address, pool.page_size, cuda_registered)
     if cuda_registered:
         gpu.warm_up()
     data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu, fast_path.name if fast_path else "")
@@ -242,7 +242,6 @@ async def serve(config: Config) -> None:
         daemon.data_socket.close()
     daemon.data.close_sessions()
     await daemon.server.stop(SHUTDOWN_GRACE_SECONDS)
-    await daemon.data.copies_done(SHUTDOWN_GRACE_SECONDS)
     expiry.cancel()
     daemon.data.gpu.close()
     if daemon.fs is not None:

@@ -200,20 +200,18 @@ class RegisterRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ..., monotonic_ns: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("namespace", "block_bytes", "pages_per_block", "cuda_registration", "cuda_refused", "cuda_verdicts")
+    __slots__ = ("namespace", "block_bytes", "pages_per_block", "cuda_registration", "cuda_refused")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CUDA_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     CUDA_REFUSED_FIELD_NUMBER: _ClassVar[int]
-    CUDA_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_bytes: int
     pages_per_block: int
     cuda_registration: str
     cuda_refused: str
-    cuda_verdicts: str
-    def __init__(self, namespace: _Optional[str] = ..., block_bytes: _Optional[int] = ..., pages_per_block: _Optional[int] = ..., cuda_registration: _Optional[str] = ..., cuda_refused: _Optional[str] = ..., cuda_verdicts: _Optional[str] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., block_bytes: _Optional[int] = ..., pages_per_block: _Optional[int] = ..., cuda_registration: _Optional[str] = ..., cuda_refused: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "hashes", "pin")
@@ -260,18 +258,16 @@ class LookupBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTarget(_message.Message):
-    __slots__ = ("registration_id", "device_block_ids", "deadline_ns", "ready_event", "answer_at_launch")
+    __slots__ = ("registration_id", "device_block_ids", "deadline_ns", "ready_event")
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_NS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
-    ANSWER_AT_LAUNCH_FIELD_NUMBER: _ClassVar[int]
     registration_id: str
     device_block_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_ns: int
     ready_event: int
-    answer_at_launch: bool
-    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ..., ready_event: _Optional[int] = ..., answer_at_launch: _Optional[bool] = ...) -> None: ...
+    def __init__(self, registration_id: _Optional[str] = ..., device_block_ids: _Optional[_Iterable[int]] = ..., deadline_ns: _Optional[int] = ..., ready_event: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "lease_id", "hashes", "transport", "cuda_ipc")
@@ -290,24 +286,18 @@ class LoadRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[str] = ..., lease_id: _Optional[int] = ..., hashes: _Optional[bytes] = ..., transport: _Optional[_Union[Transport, str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTarget, _Mapping]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("block_count", "data", "lease_id", "page_ids", "checksums", "verdict_slot", "verdict_seq", "copy_end_ns")
+    __slots__ = ("block_count", "data", "lease_id", "page_ids", "checksums")
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
-    VERDICT_SLOT_FIELD_NUMBER: _ClassVar[int]
-    VERDICT_SEQ_FIELD_NUMBER: _ClassVar[int]
-    COPY_END_NS_FIELD_NUMBER: _ClassVar[int]
     block_count: int
     data: bytes
     lease_id: int
     page_ids: bytes
     checksums: bytes
-    verdict_slot: int
-    verdict_seq: int
-    copy_end_ns: int
-    def __init__(self, block_count: _Optional[int] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., verdict_slot: _Optional[int] = ..., verdict_seq: _Optional[int] = ..., copy_end_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, block_count: _Optional[int] = ..., data: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id", "more_lease_ids")
