@@ -44,7 +44,9 @@ class IndexCollector:
             return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
 
         yield CounterMetricFamily(
-            "kvtierd_lookup_requests", "Lookup calls served.", value=sum(ns.counters.lookups for ns in namespaces)
+            "kvtierd_lookup_requests",
+            "Lookups served (Lookup calls, LookupBatch queries, Load calls by hashes).",
+            value=sum(ns.counters.lookups for ns in namespaces),
         )
         yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", "hits")
         yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", "misses")
