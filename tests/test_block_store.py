@@ -76,6 +76,36 @@ def test_abort_and_expiry_free_reservations():
     assert store.lookup("s1", ns, chain_hashes("y", 8), pin=False)[0] == 0
 
 
+def test_a_hold_in_use_by_a_gpu_copy_neither_expires_nor_ends_until_the_copy_has_landed():
+    """A CUDA store copies into its reservation's pages, a CUDA load out of its lease's: while the copy
+    runs (a store may wait long for its engine's forward) the hold must keep its pages, or they would
+    go to another session's blocks under the copy. It outlives its time to live, and its own
+    session cannot release, abort, commit or write it; once the copy has landed, all is as before."""
+    store, clock = make_store(pages=16)
+    ns = store.register(spec(block_bytes=PAGE))
+    store_blocks(store, ns, chain_hashes("l", 4))
+    _, lease = store.lookup("s1", ns, chain_hashes("l", 4), pin=True)
+    reservation = store.reserve("s1", ns, chain_hashes("r", 4)).reservation
+    with store.in_use(reservation), store.in_use(lease):
+        clock.now = 11
+        assert store.expire() == (0, 0)
+        for refused in (
+            lambda: store.release("s1", lease.id),
+            lambda: store.abort("s1", reservation.id),
+            lambda: store.commit("s1", reservation.id),
+            lambda: store.check_write(store.reservation("s1", reservation.id), 0, 0, 8),
+        ):
+            with pytest.raises(FailedPrecondition, match="in use by a GPU copy"):
+                refused()
+        other = store.reserve("s2", ns, chain_hashes("o", 8))  # the other 8 pages, no more
+        assert other.statuses.tolist() == [pb.BLOCK_STATUS_RESERVED] * 8
+        assert store.reserve("s2", ns, chain_hashes("p", 1)).statuses.tolist() == [pb.BLOCK_STATUS_NO_SPACE]
+        assert_accounting(store)
+    assert store.expire() == (1, 1)  # landed: the lease and the reservation expire (s2's is younger)
+    assert store.pages.free == 16 - 4 - 8 and store.usage().pinned_blocks == 0
+    assert_accounting(store)
+
+
 def test_commit_errors_are_precise():
     store, _ = make_store()
     ns = store.register(spec(block_bytes=PAGE))

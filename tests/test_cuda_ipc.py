@@ -393,6 +393,20 @@ def test_a_store_waits_for_the_forward_it_follows_not_for_later_ones(start_daemo
 
 
 @gpu
+def test_a_store_waiting_for_its_engines_forward_longer_than_the_lease_ttl_keeps_its_pages(start_daemon):
+    """A CUDA store's reservation outlives --lease-ttl while the store waits for its engine's forward
+    and copies (its pages freed meanwhile would go to other blocks under the copy); it commits."""
+    daemon = start_daemon("--pool-size", "256MiB", "--lease-ttl", "0.4")
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        forward, ready = slow_forward(kv, 12, gpu_cycles=2_000_000_000)  # about a second
+        deadline_ns = time.monotonic_ns() + 20_000_000_000
+        assert client.store_cuda(ns, block_hashes(12, 8), list(range(8)), ready, deadline_ns) == 8
+        assert np.array_equal(client.load(ns, block_hashes(12, 8), transport="inline"), forward.cpu().numpy())
+    assert "expired holds" not in daemon.log()
+
+
+@gpu
 def test_a_store_refused_during_its_engines_forward_holds_up_neither_other_engines_nor_shutdown(start_daemon):
     """A store refused for its deadline while its engine's forward still runs (6 s, or an engine hung in
     it). Nothing else waits for that forward: another engine's calls and its session ending (closing

@@ -11,6 +11,7 @@ evicted; every page is either free or owned by exactly one block that still hold
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -99,6 +100,7 @@ class Hold:
     namespace: Namespace
     blocks: list[Block]
     expires_at: float
+    copies: int = 0  # GPU copies in flight between its pages and an engine (BlockStore.in_use)
 
     @property
     def slots(self) -> np.ndarray:
@@ -126,6 +128,13 @@ class PoolUsage:
     reserved_pages: int
     orphan_pages: int  # deleted or evicted but still pinned by a lease
     pinned_blocks: int
+
+
+def _check_idle(hold: Hold, kind: str) -> None:
+    if hold.copies:
+        raise FailedPrecondition(
+            f"{kind} {hold.id} is in use by a GPU copy in flight (a call of its session); it is free once that call answers"
+        )
 
 
 def until_repeat(hashes: list[bytes]) -> list[bytes]:
@@ -249,7 +258,20 @@ class BlockStore:
             raise NotFound(f"lease {lease_id} is unknown, released or expired")
         if lease.session_id != session_id:
             raise PermissionDenied(f"lease {lease_id} belongs to another session")
+        _check_idle(lease, "lease")
         return lease
+
+    @contextlib.contextmanager
+    def in_use(self, hold: Hold) -> Iterator[None]:
+        """A GPU copy moves bytes between the hold's pages and an engine meanwhile: until it has
+        landed the hold neither expires nor can its session release, abort, commit or write it (its
+        pages would go to other blocks while the copy still reads or writes them). The session's end
+        waits for its copies first (GpuTransfers.close_session)."""
+        hold.copies += 1
+        try:
+            yield
+        finally:
+            hold.copies -= 1
 
     def release(self, session_id: str, lease_id: int) -> None:
         self._end_lease(self.lease(session_id, lease_id))
@@ -350,6 +372,7 @@ class BlockStore:
             raise NotFound(f"reservation {reservation_id} was never made")
         if reservation.session_id != session_id:
             raise PermissionDenied(f"reservation {reservation_id} belongs to another session")
+        _check_idle(reservation, "reservation")
         return reservation
 
     def check_write(self, reservation: Reservation, index: int, offset: int, length: int) -> Block:
@@ -495,8 +518,8 @@ class BlockStore:
 
     def expire(self) -> tuple[int, int]:
         now = self._clock()
-        leases = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        reservations = [r for r in self._reservations.values() if r.expires_at <= now]
+        leases = [lease for lease in self._leases.values() if lease.expires_at <= now and not lease.copies]
+        reservations = [r for r in self._reservations.values() if r.expires_at <= now and not r.copies]
         for lease in leases:
             self._end_lease(lease)
         for reservation in reservations:

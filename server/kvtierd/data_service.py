@@ -253,7 +253,7 @@ class DataService(pb_grpc.KVTierServicer):
                 expected = self.store.checksum[lease.slots]
                 response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
 
-            with self.metrics.cuda_copy_seconds.labels("load").time():
+            with self.metrics.cuda_copy_seconds.labels("load").time(), self.store.in_use(lease):
                 sums = await self.gpu.load(registration, targets, pages, target.deadline_ns, meanwhile=prepare_answer)
                 bad = checksum.mismatched(sums, expected)
                 corrupt = bool(bad.any())
@@ -348,7 +348,7 @@ class DataService(pb_grpc.KVTierServicer):
         chosen = device_blocks[result.statuses == pb.BLOCK_STATUS_RESERVED]
         deadline_ns = request.cuda_ipc.deadline_ns
         try:
-            with self.metrics.cuda_copy_seconds.labels("store").time():
+            with self.metrics.cuda_copy_seconds.labels("store").time(), self.store.in_use(reservation):
                 pages = decode_page_ids(reservation.page_ids, ns.pages_per_block)
                 sums = await self.gpu.store(registration, chosen, pages, ready_event, deadline_ns)
             self.metrics.cuda_copy_bytes.labels("store").inc(len(chosen) * ns.block_bytes)
