@@ -2,6 +2,7 @@
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 from blocks import chain_hashes, contents, spec
@@ -124,6 +125,40 @@ def test_lookup_batch_and_release_many(client):
     assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 7
     assert np.array_equal(results[0].checksums, checksum.block_checksums(contents(first, ns.block_bytes)))
     client.release(results[0].lease_id, results[1].lease_id)
+    assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
+
+
+def test_a_refused_pinned_lookup_batch_leaves_no_pin(start_daemon):
+    """A pinned LookupBatch is refused whole: for a malformed query after good ones (INVALID_ARGUMENT),
+    and for an answer over the message limit (RESOURCE_EXHAUSTED: gRPC would not send it, and the
+    client would never learn the leases it made). Neither leaves a block pinned."""
+    daemon = start_daemon("--pool-size", "16MiB", "--page-size", "4096", "--max-message-size", "1MiB")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=64 * 4096))  # 264 bytes of answer per block: 64 page ids
+        hashes = chain_hashes("refused-batch", 8)
+        client.store(ns, hashes, contents(hashes, ns.block_bytes))
+        with pytest.raises(grpc.RpcError) as malformed:
+            client.lookup_batch(ns, [hashes, hashes, b"not a hash"], pin=True)
+        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
+        with pytest.raises(grpc.RpcError) as too_big:
+            client.lookup_batch(ns, [hashes] * 600, pin=True)  # about 1.3 MB of answer
+        assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in too_big.value.details()
+        assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
+        assert [r.hit_count for r in client.lookup_batch(ns, [hashes] * 2, pin=True)] == [8, 8]
+        assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 8
+
+
+def test_a_release_of_several_leases_releases_every_one_it_can(client):
+    ns = client.register(spec())
+    hashes = chain_hashes("release-several", 4)
+    client.store(ns, hashes, contents(hashes, ns.block_bytes))
+    stale = client.lookup(ns, hashes[:2], pin=True).lease_id
+    client.release(stale)
+    live = client.lookup(ns, hashes, pin=True).lease_id
+    with pytest.raises(grpc.RpcError) as refused:
+        client.release(stale, live)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "1 of 2 leases not released" in refused.value.details()
     assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
 
 

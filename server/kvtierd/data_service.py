@@ -134,23 +134,40 @@ class DataService(pb_grpc.KVTierServicer):
     @unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
-        return await self._lookup(session, ns, request.hashes, request.pin)
+        result = await self._lookup(session, ns, self.store.split_hashes(ns, request.hashes), request.pin)
+        return self._sendable(session.id, result, [result])
 
     @unary
     async def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         if len(request.queries) > self.limits.max_batch_blocks:
             raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
+        queries = [self.store.split_hashes(ns, query) for query in request.queries]  # all checked before any pin
         if self.fs is not None and request.pin:  # promotions of different queries run in parallel
-            lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in request.queries]
+            lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in queries]
             try:
                 results = await asyncio.gather(*lookups)
             except BaseException:  # one failed, or the caller went: the others' pins go too
                 self._release_pins(session.id, lookups)
                 raise
-        else:
-            results = [await self._lookup(session, ns, query, request.pin) for query in request.queries]
-        return pb.LookupBatchResponse(results=results)
+        else:  # (nothing here waits or fails: all pins or none)
+            results = [await self._lookup(session, ns, query, request.pin) for query in queries]
+        return self._sendable(session.id, pb.LookupBatchResponse(results=results), results)
+
+    def _sendable(self, session_id: str, response, results: list[pb.LookupResponse]):
+        """The response, when it fits in a message; else its leases are released and the call refused
+        (gRPC would refuse to send it after the handler, the leases pinned until they expire)."""
+        size = response.ByteSize()
+        if size <= self.limits.max_message_bytes:
+            return response
+        for result in results:
+            if result.lease_id:
+                with contextlib.suppress(NotFound):
+                    self.store.release(session_id, result.lease_id)
+        raise ResourceExhausted(
+            f"the answer would be {size} bytes, over the message limit of {self.limits.max_message_bytes}; "
+            "look up fewer blocks per call (nothing was pinned)"
+        )
 
     def _release_pins(self, session_id: str, lookups: list[asyncio.Future]) -> None:
         """Release the leases of the pinned lookups that answered; cancel the others (each lets go
@@ -184,8 +201,7 @@ class DataService(pb_grpc.KVTierServicer):
         lease = self.store.extend_lease(session_id, ns, lease, blocks[hit : hit + more])
         return (len(lease.blocks) if lease is not None else 0), lease
 
-    async def _lookup(self, session: Session, ns: Namespace, hashes: bytes, pin: bool) -> pb.LookupResponse:
-        blocks = self.store.split_hashes(ns, hashes)
+    async def _lookup(self, session: Session, ns: Namespace, blocks: list[bytes], pin: bool) -> pb.LookupResponse:
         hit, lease = await self._find(session.id, ns, blocks, pin)
         counters = session.counters
         counters.lookups += 1
@@ -296,9 +312,18 @@ class DataService(pb_grpc.KVTierServicer):
 
     @unary
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:  # noqa: N802
+        """Release every lease named that can be; then refuse the call for the first that could not."""
         session = self.sessions.get(request.session_id)
-        for lease_id in [request.lease_id, *request.more_lease_ids] if request.lease_id else request.more_lease_ids:
-            self.store.release(session.id, lease_id)
+        lease_ids = [request.lease_id, *request.more_lease_ids] if request.lease_id else list(request.more_lease_ids)
+        refused: list[KVTierError] = []
+        for lease_id in lease_ids:
+            try:
+                self.store.release(session.id, lease_id)
+            except KVTierError as exc:
+                refused.append(exc)
+        if refused:
+            first = refused[0]
+            raise type(first)(f"{len(refused)} of {len(lease_ids)} leases not released (the others were): {first}")
         return pb.ReleaseResponse()
 
     @unary
