@@ -184,6 +184,8 @@ def test_admin_bad_inputs(env):
         ("InspectBlock", {"namespace": ns.id, "hash": b"\0" * 3}, grpc.StatusCode.INVALID_ARGUMENT),
         ("ListBlocks", {"page_token": "-5"}, grpc.StatusCode.INVALID_ARGUMENT),
         ("ListBlocks", {"page_token": "abc"}, grpc.StatusCode.INVALID_ARGUMENT),
+        ("ListBlocks", {"page_token": "²"}, grpc.StatusCode.INVALID_ARGUMENT),  # a digit to isdigit(), not to int()
+        ("ListBlocks", {"page_token": "١٢"}, grpc.StatusCode.INVALID_ARGUMENT),  # Arabic-Indic digits
         ("ListBlocks", {"page_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT),
         ("Clear", {}, grpc.StatusCode.INVALID_ARGUMENT),
         ("Clear", {"namespace": "missing"}, grpc.StatusCode.NOT_FOUND),

@@ -70,6 +70,7 @@ def test_default_socket_follows_xdg_runtime_dir(monkeypatch, tmp_path):
         (["--pool-size", "lots"], "not a size"),
         (["--page-size", "1000"], "multiple of 4096"),
         (["--store-threshold", "0"], "store_threshold"),
+        (["--max-message-size", "64KiB"], "max_message_size must be at least 1 MiB"),
     ],
 )
 def test_bad_options_exit_with_a_message(argv, message):
