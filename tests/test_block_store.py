@@ -61,19 +61,26 @@ def test_lookup_counts_the_leading_prefix_only():
     assert store.lookup("s", ns, hashes, pin=False)[0] == 2
 
 
-def test_abort_and_expiry_free_reservations():
+def test_abort_and_expiry_free_reservations_and_leases():
     store, clock = make_store(pages=16)
     ns = store.register(spec(block_bytes=PAGE))
     first = store.reserve("s1", ns, chain_hashes("x", 8)).reservation
     store.abort("s1", first.id)
     assert store.pages.free == 16
+    store_blocks(store, ns, chain_hashes("z", 4))
+    _, lease = store.lookup("s1", ns, chain_hashes("z", 4), pin=True)
     second = store.reserve("s1", ns, chain_hashes("y", 8)).reservation
+    clock.now = 9
+    assert store.expire() == (0, 0)
     clock.now = 11
-    assert store.expire() == (0, 1)
-    assert store.pages.free == 16
+    assert store.expire() == (1, 1)
+    assert store.pages.free == 16 - 4 and store.usage().pinned_blocks == 0  # the committed blocks stay
     with pytest.raises(FailedPrecondition, match="expired"):
         store.commit("s1", second.id)
+    with pytest.raises(NotFound):
+        store.release("s1", lease.id)
     assert store.lookup("s1", ns, chain_hashes("y", 8), pin=False)[0] == 0
+    assert_accounting(store)
 
 
 def test_a_hold_in_use_by_a_gpu_copy_neither_expires_nor_ends_until_the_copy_has_landed():

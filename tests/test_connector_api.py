@@ -14,11 +14,11 @@ from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats  # noqa: E
 def test_every_abstract_hook_is_implemented_with_vllms_signature():
     assert not KVTierConnector.__abstractmethods__
     for name in KVConnectorBase_V1.__abstractmethods__ | {"get_finished", "request_finished", "register_kv_caches"}:
-        ours = inspect.signature(getattr(KVTierConnector, name))
-        theirs = inspect.signature(getattr(KVConnectorBase_V1, name))
-        assert list(ours.parameters)[: len(theirs.parameters)] == list(theirs.parameters) or (
-            "kwargs" in theirs.parameters and "kwargs" in ours.parameters
-        ), name
+        ours = list(inspect.signature(getattr(KVTierConnector, name)).parameters.values())
+        theirs = list(inspect.signature(getattr(KVConnectorBase_V1, name)).parameters.values())
+        # vLLM passes some arguments by position, some by name: names, order and kinds must match
+        assert [(p.name, p.kind) for p in ours[: len(theirs)]] == [(p.name, p.kind) for p in theirs], name
+        assert all(p.default is not p.empty or p.kind == p.VAR_KEYWORD for p in ours[len(theirs) :]), name
     assert "kv_cache_config" in inspect.signature(KVTierConnector.__init__).parameters
 
 

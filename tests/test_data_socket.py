@@ -61,6 +61,9 @@ def test_calls_go_over_the_data_socket_with_grpcs_results_and_metrics(start_daem
         client._data = socket_path
     assert over_socket[0] == grpc.StatusCode.INVALID_ARGUMENT and "multiple of" in over_socket[1]
     assert unknown_namespace[0] == grpc.StatusCode.NOT_FOUND
+    # each refusal's log line names its caller: the data socket's connection, then the gRPC peer
+    refused = [line for line in daemon.log().splitlines() if "request refused" in line and "multiple of" in line]
+    assert len(refused) == 2 and "data-socket:" in refused[0] and "data-socket:" not in refused[1], refused
 
 
 def _other(ns):

@@ -125,14 +125,17 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
     worker.save([StoreJob("seed", list(range(4)), hashes[:4])])
     wait(lambda: worker.stats.stored_blocks == 4)
     planner = planner_for(link)
-    prompt_tokens = 6 * BLOCK_TOKENS  # the whole prompt is cached blocks: the last token must stay
+    prompt_tokens = 6 * BLOCK_TOKENS  # the first 4 blocks cached
+    whole = 4 * BLOCK_TOKENS  # a prompt of just the 4 cached blocks: its last token must stay to be computed
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (None, False)
     assert planner.matched_tokens("r2", chain_hashes("other", 3), 3 * BLOCK_TOKENS + 5, 0, None) == (None, False)
-    planner.plan_step([])  # one LookupBatch for both requests
+    assert planner.matched_tokens("r3", hashes[:4], whole, 0, None) == (None, False)
+    planner.plan_step([])  # one LookupBatch for the three requests
     wait(lambda: planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) != (None, False))
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (4 * BLOCK_TOKENS, True)
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 2 * BLOCK_TOKENS, None) == (2 * BLOCK_TOKENS, True)
     assert planner.matched_tokens("r2", chain_hashes("other", 3), 3 * BLOCK_TOKENS + 5, 0, None) == (0, False)
+    assert planner.matched_tokens("r3", hashes[:4], whole, 0, None) == (3 * BLOCK_TOKENS, True)
     port = daemon.admin("GetInfo").metrics_port
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     assert 'kvtierd_rpc_duration_seconds_count{method="LookupBatch"} 1.0' in metrics

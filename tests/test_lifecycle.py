@@ -33,6 +33,8 @@ def test_group_shared_pool_mode(start_daemon):
     daemon = start_daemon("--pool-size", "16MiB", "--shm-mode", "0660", "--socket-mode", "0600")
     assert stat.S_IMODE(next(daemon.shm_dir.iterdir()).stat().st_mode) == 0o660
     assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
+    data_socket = daemon.socket.with_name(daemon.socket.name + ".data")  # the same door: the same mode
+    assert stat.S_ISSOCK(data_socket.stat().st_mode) and stat.S_IMODE(data_socket.stat().st_mode) == 0o600
 
 
 def test_metrics_endpoint(daemon):

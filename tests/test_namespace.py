@@ -1,6 +1,7 @@
 import pytest
 from blocks import spec
 
+from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.errors import InvalidArgument
 from kvtierd.namespace import namespace_digest, validate_spec
 
@@ -22,7 +23,6 @@ def test_identical_specs_share_a_namespace():
         {"block_bytes": 4096},
         {"chunk_bytes": [96 * 1024]},
         {"tp_size": 2},
-        {"tp_rank": 0, "tp_size": 4},
         {"hash_algorithm": "sha256_cbor"},
         {"hash_seed": "seed-2"},
         {"hash_bytes": 16},
@@ -33,26 +33,25 @@ def test_any_difference_is_another_namespace(change):
     assert namespace_digest(spec(**change)) != namespace_digest(spec())
 
 
+def test_the_ranks_of_one_tensor_parallel_engine_have_namespaces_of_their_own():
+    assert namespace_digest(spec(tp_size=4, tp_rank=1)) != namespace_digest(spec(tp_size=4, tp_rank=0))
+
+
 def test_every_spec_field_is_in_the_digest():
-    base = spec()
+    base = spec(tp_size=4)
     for field in base.DESCRIPTOR.fields:
-        assert field.name in {
-            "model_id",
-            "tokens_per_block",
-            "kv_dtype",
-            "layout",
-            "num_layers",
-            "num_kv_heads",
-            "head_size",
-            "block_bytes",
-            "chunk_bytes",
-            "tp_size",
-            "tp_rank",
-            "hash_algorithm",
-            "hash_seed",
-            "hash_bytes",
-            "extra",
-        }, f"new field {field.name}: add it to test_any_difference_is_another_namespace"
+        changed = pb.NamespaceSpec()
+        changed.CopyFrom(base)
+        value = getattr(changed, field.name)
+        if field.message_type is not None:  # the map `extra`
+            value["changed"] = "1"
+        elif field.is_repeated:
+            value.append(12345)
+        elif field.type == field.TYPE_STRING:
+            setattr(changed, field.name, value + "-changed")
+        else:
+            setattr(changed, field.name, value + 1)
+        assert namespace_digest(changed) != namespace_digest(base), field.name
 
 
 def test_format_version_changes_the_digest(monkeypatch):
