@@ -147,6 +147,20 @@ def test_eviction_is_lru_and_never_touches_pinned_or_reserved_blocks():
     assert_accounting(store)
 
 
+def test_blocks_cleared_while_being_written_are_dropped_at_commit():
+    """Clear drops blocks still being written too (DeleteBlocks names committed blocks only): their
+    commit makes none of them visible and frees their pages."""
+    store, _ = make_store(pages=16)
+    ns = store.register(spec(block_bytes=PAGE))
+    hashes = chain_hashes("written", 4)
+    reservation = store.reserve("s1", ns, hashes).reservation
+    assert store.delete(ns, hashes) == 0
+    assert store.clear(ns) == 0  # (counts committed blocks)
+    assert store.commit("s1", reservation.id) == 0
+    assert store.lookup("s1", ns, hashes, pin=False)[0] == 0 and store.pages.free == 16
+    assert_accounting(store)
+
+
 def test_pinned_block_deleted_keeps_its_pages_until_release():
     store, _ = make_store(pages=8)
     ns = store.register(spec(block_bytes=PAGE))

@@ -1,5 +1,6 @@
 """Start-up defaults, permissions, metrics, TCP opt-in, stale state and graceful shutdown."""
 
+import os
 import socket
 import stat
 import subprocess
@@ -35,6 +36,17 @@ def test_group_shared_pool_mode(start_daemon):
     assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
     data_socket = daemon.socket.with_name(daemon.socket.name + ".data")  # the same door: the same mode
     assert stat.S_ISSOCK(data_socket.stat().st_mode) and stat.S_IMODE(data_socket.stat().st_mode) == 0o600
+
+
+def test_a_socket_directory_the_daemon_creates_is_0750(tmp_path):
+    from kvtierd.server import prepare_socket  # noqa: PLC0415
+
+    previous = os.umask(0o002)  # (a umask that would let a looser mode through)
+    try:
+        prepare_socket(tmp_path / "run" / "kvtierd.sock")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o750
 
 
 def test_metrics_endpoint(daemon):
