@@ -161,6 +161,22 @@ def test_blocks_cleared_while_being_written_are_dropped_at_commit():
     assert_accounting(store)
 
 
+def test_a_lease_extended_by_blocks_it_already_holds_pins_each_once():
+    """A pinned lookup extended after a promotion from disk: its new blocks end before the first it
+    already holds (a prefix chain never repeats a hash), so each block is pinned once and one release
+    unpins them all."""
+    store, _ = make_store(pages=16)
+    ns = store.register(spec(block_bytes=PAGE))
+    a, b, c, d = chain_hashes("extend", 4)
+    store_blocks(store, ns, [a, b, c, d])
+    _, lease = store.lookup("s1", ns, [a, b], pin=True)
+    extended = store.extend_lease("s1", ns, lease, [c, a, d])
+    assert extended is lease and [block.hash for block in lease.blocks] == [a, b, c]
+    store.release("s1", lease.id)
+    assert store.usage().pinned_blocks == 0
+    assert_accounting(store)
+
+
 def test_pinned_block_deleted_keeps_its_pages_until_release():
     store, _ = make_store(pages=8)
     ns = store.register(spec(block_bytes=PAGE))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -312,6 +313,24 @@ def test_flipped_or_truncated_files_are_caught_and_dropped(fs_daemons, written_d
     assert "fs block file corrupt; deleted" in daemon.log()
 
 
+def test_a_restart_with_a_smaller_fs_size_evicts_down_to_it(fs_daemons):
+    """Restarted with --fs-size below what its directory holds, the tier drops files until it fits
+    before it serves; the blocks it keeps load byte-exact."""
+    daemon, ns, hashes, data = stored_on_disk(fs_daemons, "shrunk", 12)
+    assert daemon.stop() == 0
+    again = fs_daemons("--fs-size", "2MiB", directory=daemon.directory)  # 7 blocks of 256 KiB + 4 KiB
+    assert fs_stats(again).blocks == 7
+    files = list((again.directory / "fs" / ns.id).rglob("*.kvb"))
+    assert len(files) == 7 and sum(f.stat().st_size for f in files) <= 2 << 20
+    kept = [b.hash for b in again.admin("ListBlocks", namespace=ns.id, tier="fs").blocks]
+    assert len(kept) == 7
+    with KVTierClient(again.address) as client:
+        client.register(spec(block_bytes=BLOCK))
+        for block_hash in kept:
+            index = hashes.index(block_hash)
+            assert np.array_equal(client.load(ns, [block_hash]), data[index : index + 1])
+
+
 def test_eviction_keeps_the_tier_under_its_size(fs_daemons):
     for policy in ("lru", "arc"):
         daemon = fs_daemons("--fs-size", "4MiB", "--fs-eviction", policy)
@@ -542,3 +561,33 @@ def test_a_changed_header_field_is_caught(tmp_path, field):
     path.write_bytes(bytes(raw))
     with pytest.raises(fs_format.BadBlock, match="header checksum mismatch"):
         fs_format.read_block(path, "ns", b"h" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], direct=False)
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["new-file", "over-an-evicted-blocks-file"])
+def test_a_block_file_is_fsynced_under_its_temporary_name_before_it_is_renamed(tmp_path, monkeypatch, reused):
+    """The crash safety of a block file: its bytes are durable before its name appears (else a power
+    cut could leave the name over a file whose bytes never reached the disk); a reused file of an
+    evicted block first loses its old name for good (its directory fsync'd) before it is overwritten."""
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_rename, real_fsync_directory = os.fsync, os.rename, fs_format.fsync_directory
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda src, dst: events.append(("rename", str(src), str(dst))) or real_rename(src, dst))
+    monkeypatch.setattr(fs_format, "fsync_directory", lambda d: events.append(("fsync_dir", str(d))) or real_fsync_directory(d))
+    data = fs_format.aligned_empty(BLOCK)
+    data[:] = np.frombuffer(block_content(b"f" * 32, BLOCK).tobytes(), dtype=np.uint8)
+    old = tmp_path / "old.kvb"
+    old.write_bytes(b"an evicted block's file" * 1000)
+    path = tmp_path / "block.kvb"
+    events.clear()
+    fs_format.write_block_file(
+        path, "ns", b"f" * 32, BLOCK, 7, 1.5e9, [memoryview(data)], direct=False, reuse=old if reused else None
+    )
+    renames = [e for e in events if e[0] == "rename"]
+    temporary = renames[-1][1]
+    assert renames[-1][2] == str(path) and temporary != str(path)
+    assert events.index(("fsync", temporary)) < events.index(renames[-1])  # durable, then named
+    if reused:
+        assert renames[0] == ("rename", str(old), temporary) and not old.exists()
+        assert events.index(renames[0]) < events.index(("fsync_dir", str(tmp_path))) < events.index(("fsync", temporary))
+    header = fs_format.read_block(path, "ns", b"f" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], direct=False)
+    assert header.checksum == 7

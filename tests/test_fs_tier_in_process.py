@@ -234,6 +234,25 @@ def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
     run_with_tiers(tmp_path, body)
 
 
+def test_a_block_deleted_while_its_demotion_is_written_does_not_come_back(tmp_path):
+    """DeleteBlocks (Clear alike) while the block's file is being written: the write ends, and the file
+    goes instead of being indexed."""
+    a, b, c, d, e = chain_hashes("deleted-written", 5)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        gate = hold_io_threads(t.fs, readers=False)
+        await t.put(e, 0)  # evicts A from the pool: its file's write waits for an I/O thread
+        assert (t.ns.id, a) in t.fs._writes
+        assert t.fs.delete(t.ns.id, [a]) == set()  # (not on disk yet)
+        gate.set()
+        await t.settle()
+        assert t.fs.index.get(t.ns.id, a) is None and not t.path(a).exists() and len(t.fs.index) == 0
+
+    run_with_tiers(tmp_path, body)
+
+
 def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
     """A block on disk and in the pool (promoted), used from the pool meanwhile, is evicted from the
     pool together with one that goes to disk: its file, now its only copy, must not be what makes
