@@ -79,6 +79,11 @@ class Tiers:
         return block_path(self.fs.root, self.ns.id, block_hash)
 
 
+def daemon_limits(**changes: int) -> pb.Limits:
+    """The limits a daemon with the default options announces, with `changes`."""
+    return pb.Limits(**{"max_message_bytes": 64 << 20, "max_batch_blocks": 4096, **changes})
+
+
 def run_with_tiers(tmp_path: Path, body: Callable[[Tiers], Awaitable[None]]) -> None:
     shm_dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-in-process-"))  # (tmp_path's name repeats between runs)
     pool = SharedPool(shm_dir, "kvt-in-process-", 4 * BLOCK, BLOCK, 0o600)
@@ -287,7 +292,7 @@ def test_a_demotions_copy_holds_up_neither_the_event_loop_nor_the_bytes_it_copie
         for block_hash in (a, b, c, d):
             await t.put(block_hash, 0)
         await t.settle()  # (staging buffers made ahead)
-        service, session = t.data_service(pb.Limits())
+        service, session = t.data_service(daemon_limits())
         session.namespaces.add(t.ns.id)
         gate = threading.Event()
         t.fs.copier.submit(gate.wait)
@@ -455,7 +460,7 @@ def test_a_pinned_lookup_ended_during_its_promotion_leaves_no_lease(tmp_path, en
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk; E is in the pool
-        service, session = t.data_service(pb.Limits())
+        service, session = t.data_service(daemon_limits())
         gate = hold_io_threads(t.fs)
         find = asyncio.ensure_future(service._find(session.id, t.ns, [e, a], pin=True))
         await asyncio.sleep(0.05)
@@ -521,7 +526,7 @@ def test_a_pinned_lookup_batch_ended_during_a_promotion_leaves_no_lease(tmp_path
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk; E is in the pool
-        service, session = t.data_service(pb.Limits(max_batch_blocks=64))
+        service, session = t.data_service(daemon_limits(max_batch_blocks=64))
         session.namespaces.add(t.ns.id)
         request = pb.LookupBatchRequest(session_id=session.id, namespace=t.ns.id, queries=[e, a], pin=True)
         gate = hold_io_threads(t.fs)
