@@ -24,6 +24,7 @@ from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd import fs_format
 from kvtierd.config import load_config
+from kvtierd.fs_snapshot import RACY_SECONDS
 
 BLOCK = 256 * 1024  # 16 blocks fill the 4 MiB pools below
 
@@ -168,7 +169,7 @@ def stored_on_disk(fs_daemons, seed: str, count: int, *args: str):
 
 def test_restart_takes_the_index_file_and_lists_only_changed_directories(fs_daemons):
     daemon, ns, hashes, data = stored_on_disk(fs_daemons, "index-file", 12)
-    time.sleep(0.6)  # directories modified in the last 0.5 s are not recorded (their mtime could still repeat)
+    time.sleep(RACY_SECONDS + 0.1)  # directories modified since are not recorded (their mtime could still repeat)
     assert daemon.stop() == 0
     index_file = daemon.directory / "fs" / "index.kvi"
     assert index_file.is_file()
@@ -179,7 +180,7 @@ def test_restart_takes_the_index_file_and_lists_only_changed_directories(fs_daem
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=BLOCK))
         assert np.array_equal(client.load(ns, hashes[:8]), data[:8])
-    time.sleep(0.6)
+    time.sleep(RACY_SECONDS + 0.1)
     assert daemon.stop() == 0
     block_file(daemon, ns.id, hashes[3]).unlink()  # while the daemon is down: its directory's mtime moves
 
@@ -227,7 +228,7 @@ def test_kill_9_during_heavy_writes_never_serves_wrong_bytes(fs_daemons, fs_size
         assert fs_stats(daemon).checksum_failures == 0  # a miss at most, never a torn or wrong file
         indexed = daemon.log().split("fs tier indexed")[-1]
         from_index_file += int(re.search(r"directories_from_index_file=(\d+)", indexed).group(1))
-        time.sleep(0.6)
+        time.sleep(RACY_SECONDS + 0.1)
         stop = threading.Event()
         writer = threading.Thread(target=store_until_killed, args=(daemon, f"kill-{loop}", block, stop, loop % 2))
         writer.start()
@@ -591,3 +592,16 @@ def test_a_block_file_is_fsynced_under_its_temporary_name_before_it_is_renamed(t
         assert events.index(renames[0]) < events.index(("fsync_dir", str(tmp_path))) < events.index(("fsync", temporary))
     header = fs_format.read_block(path, "ns", b"f" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], direct=False)
     assert header.checksum == 7
+
+
+def test_the_index_file_records_no_directory_changed_within_a_coarse_timestamps_tick(tmp_path):
+    """On filesystems with 1-second (or 2-second) mtimes, a directory changed in the same tick after
+    its mtime was taken keeps that mtime: it must not be recorded, or a restart after a crash would
+    take its names from the index file and hide the later file for good."""
+    from kvtierd.fs_snapshot import directory_mtimes  # noqa: PLC0415
+
+    now = time.time()
+    for name, age in (("a", 0.4), ("b", 1.5), ("c", 2.5)):
+        (tmp_path / "ns" / name).mkdir(parents=True)
+        os.utime(tmp_path / "ns" / name, (now - age, now - age))
+    assert set(directory_mtimes(tmp_path, ["ns"], ["a", "b", "c"])["ns"]) == {"c"}

@@ -8,7 +8,8 @@ mtime still equals the recorded one takes its hashes from the file; any other is
 Why an equal mtime means the same names: any create, rename or unlink in a directory sets its mtime to
 the current time. The mtimes are taken BEFORE the hashes are copied from the index, so a change after
 the stat leaves a newer mtime. A directory modified less than RACY_SECONDS before the stat is not
-recorded (the clock's coarse tick could give a change just after the stat the same mtime), and neither
+recorded (a filesystem's coarse timestamps, or the clock's coarse tick, could give a change just
+after the stat the same mtime), and neither
 is one with a block write in flight (it may hold a temporary file). The tier fsyncs the directories
 renamed into after the hashes are copied and before the file is written. So a recorded directory
 held exactly the recorded names when the hashes were copied, all of them durable; a crash that undoes
@@ -32,7 +33,7 @@ import xxhash
 log = logging.getLogger("kvtierd.fs")
 
 INDEX_FILE = "index.kvi"
-RACY_SECONDS = 0.5
+RACY_SECONDS = 2.0  # beyond the coarsest mtimes in use: 1 s (ext3, ext4 with 128-byte inodes, some NFS), 2 s (FAT)
 _MAGIC = b"KVTI"
 _VERSION = 1
 
