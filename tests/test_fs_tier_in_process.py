@@ -25,6 +25,7 @@ from kvtierd.block_store import BlockStore, Namespace
 from kvtierd.data_service import DataService
 from kvtierd.errors import Unauthenticated
 from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
+from kvtierd.fs_snapshot import RACY_SECONDS
 from kvtierd.fs_tier import FsSettings, FsTier
 from kvtierd.sessions import Session, SessionRegistry
 from kvtierd.shm_pool import SharedPool
@@ -258,6 +259,36 @@ def test_a_block_deleted_while_its_demotion_is_written_does_not_come_back(tmp_pa
     run_with_tiers(tmp_path, body)
 
 
+def test_a_block_cleared_during_its_promotion_and_stored_again_keeps_the_new_copy(tmp_path):
+    """Clear during a promotion's read removes the file, so the read fails; meanwhile the engine stored
+    the block again. The promotion must drop only its own block, not the engine's new one."""
+    a, b, c, d, e = chain_hashes("cleared-stored-again", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
+        await t.settle()
+        gate = threading.Event()
+        for _ in range(t.fs.settings.io_threads):
+            t.fs.readers.submit(gate.wait)
+        promotion = asyncio.ensure_future(t.fs.promote(t.ns, [a]))
+        while a not in t.ns.pending:
+            await asyncio.sleep(0.001)
+        t.store.clear(t.ns)  # as AdminService.Clear does
+        t.fs.clear(t.ns.id)
+        while t.path(a).exists():
+            await asyncio.sleep(0.005)
+        await t.put(a, 0)  # the engine stores A again
+        gate.set()
+        await promotion
+        await t.settle()
+        assert a in t.ns.blocks and t.fs.index.counters[t.ns.id].loaded_blocks == 0
+        _, lease = t.store.lookup("s", t.ns, [a], pin=True)
+        pages = decode_page_ids(lease.page_ids, t.ns.pages_per_block)
+        assert np.array_equal(t.pool.view.read_blocks(pages, BLOCK)[0], block_content(a, BLOCK))
+
+    run_with_tiers(tmp_path, body)
+
+
 def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):
     """A block on disk and in the pool (promoted), used from the pool meanwhile, is evicted from the
     pool together with one that goes to disk: its file, now its only copy, must not be what makes
@@ -410,7 +441,7 @@ def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk
-        await asyncio.sleep(0.6)  # (a directory changed in the last 0.5 s is never taken from the index file)
+        await asyncio.sleep(RACY_SECONDS + 0.1)  # (a directory changed since is never taken from the index file)
         held.add(t.path(a))
         try:
             t.fs.delete(t.ns.id, [a])  # its file's removal waits at the gate

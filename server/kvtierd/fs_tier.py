@@ -339,23 +339,25 @@ class FsTier:
 
     def _promoted(self, ns: Namespace, reservation: Reservation, outcomes: list) -> None:
         checksums = np.zeros(len(reservation.blocks), dtype=np.uint64)
-        failed = []
+        failed: list[Block] = []
         for i, (block, outcome) in enumerate(zip(reservation.blocks, outcomes, strict=True)):
             if (ns.id, block.hash) in self._deleted_while_promoted:
                 self._deleted_while_promoted.discard((ns.id, block.hash))
-                failed.append(block.hash)
+                failed.append(block)
             elif isinstance(outcome, Header):
                 checksums[i] = outcome.checksum
                 entry = self.index.get(ns.id, block.hash)
                 if entry is not None:
                     entry.created_at = outcome.created_at
             else:
-                failed.append(block.hash)
+                failed.append(block)
                 self._read_failed(ns, block.hash, outcome)
         try:
-            self.store.commit(_PROMOTER, reservation.id, checksums)
-            self.store.delete(ns, failed)
-            self.index.counters[ns.id].loaded_blocks += len(reservation.blocks) - len(failed)
+            committed = self.store.commit(_PROMOTER, reservation.id, checksums)
+            # (a block cleared meanwhile was not committed, and its hash may be an engine's new block by now)
+            ours = [block.hash for block in failed if ns.blocks.get(block.hash) is block]
+            self.store.delete(ns, ours)
+            self.index.counters[ns.id].loaded_blocks += committed - len(ours)
         except KVTierError as exc:  # the namespace was cleared meanwhile
             log.info("promotion dropped", extra={"namespace": ns.id, "reason": str(exc)})
         finally:
