@@ -176,17 +176,24 @@ def test_corrupt_or_deleted_blocks_are_recomputed(model, workdir, baseline, kvti
     assert_same_outputs(SHARED[:2], b["phases"][0], baseline)
     assert "a block failed its checksum" in (workdir / "case4-b.log").read_text()
 
-    # deleted between lookup and load: the loader waits 3 s, the test clears the cache meanwhile
+    # deleted between lookup and load: the loader waits 3 s, the test clears the cache meanwhile. The
+    # engine keeps vLLM's default kv_load_failure_policy ("fail"): the connector makes it recompute.
     kvtierd.admin("Clear", all=True)
     run_engine(workdir, "case4-c", model, [{"prompts": [SHARED[2]]}], connector=connector(kvtierd))
-    d = start_engine(workdir, "case4-d", model, [{"prompts": [SHARED[2]]}], connector=connector(kvtierd, debug_load_delay_s=3.0))
+    default_policy = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": connector(kvtierd, debug_load_delay_s=3.0),
+    }
+    d = start_engine(workdir, "case4-d", model, [{"prompts": [SHARED[2]]}], kv_transfer=default_policy)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not any(e.hit_blocks for e in kvtierd.admin("ListEngines").engines):
         time.sleep(0.05)
     assert kvtierd.admin("Clear", all=True).deleted_count > 0
     result = d.result()
     assert_same_outputs([SHARED[2]], result["phases"][0], baseline)
-    assert "blocks gone since lookup" in d.log()
+    assert "blocks gone since lookup" in d.log() and "kvtier sets it to 'recompute'" in d.log()
 
 
 def wait_for_blocks(daemon: DaemonProcess, count: int, timeout: float = 30) -> int:

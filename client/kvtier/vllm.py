@@ -140,6 +140,21 @@ def tensor_parallel_rank() -> int:
         return 0
 
 
+def _recompute_failed_loads(kv_transfer_config) -> None:
+    """kvtier is a cache: a load that fails (the daemon gone, a block deleted or corrupt) is a miss,
+    and vLLM recomputes those tokens. vLLM's default policy ("fail", since 0.32) would fail the
+    request instead; its scheduler reads the policy just after it makes its connector (0.32 and
+    0.33), so the scheduler's connector sets it here."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+        log.warning(
+            "kv_load_failure_policy was %r; kvtier sets it to 'recompute': a failed load is a cache miss, "
+            "recomputed, never a failed request",
+            policy,
+        )
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -156,13 +171,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._vllm_config = vllm_config
         self._link.connect_soon()
         if role == KVConnectorRole.SCHEDULER:
-            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
-            if policy != "recompute":
-                log.warning(
-                    "kv_load_failure_policy is %r: a failed kvtier load fails the request instead of recomputing it; "
-                    'set "kv_load_failure_policy": "recompute" in --kv-transfer-config',
-                    policy,
-                )
+            _recompute_failed_loads(self._kv_transfer_config)
 
     def _scheduler_planner(self) -> PrefixPlanner | None:
         """Made on first use: the namespace includes vLLM's NONE_HASH, set after connectors are built."""
