@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -189,6 +190,42 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
     finally:
         link.close()
         restarted.stop()
+
+
+def test_a_load_pinned_before_a_daemon_restart_releases_nothing_in_the_new_daemon(start_daemon):
+    """A CPU engine's load is pinned, then the daemon restarts and the link reconnects before the engine
+    copies it (a long step). Lease ids count from 1 again in the new daemon: the old load's release
+    must not unpin the new load that got the same id."""
+    daemon = start_daemon("--pool-size", "32MiB")
+    link = DaemonLink(daemon.address, "pytest", timeout=5.0, reconnect_interval=0.1)
+    link.set_namespace_spec(engine_spec())
+    restarted = None
+    try:
+        storer, _ = transfers(link, seed=1)
+        loader, later_loader = transfers(link, seed=2)[0], transfers(link, seed=3)[0]  # (two engines' worth of loads)
+        old, new = chain_hashes("before-restart", 4), chain_hashes("after-restart", 4)
+        storer.save([StoreJob("s1", [0, 1, 2, 3], old)])
+        wait(lambda: storer.stats.stored_blocks == 4)
+        loader.start_loads([LoadJob("A", [4, 5, 6, 7], old)])
+        wait(lambda: loader._loads["A"][1].future.done())
+        daemon.stop(signal.SIGKILL)
+        restarted = type(daemon)(daemon.directory, daemon.args).start()
+        wait(lambda: link.submit(lambda client, ns: client.state.pool_info.pool_id).exception() is None)
+        storer.save([StoreJob("s2", [8, 9, 10, 11], new)])
+        wait(lambda: storer.stats.stored_blocks == 8)
+        later_loader.start_loads([LoadJob("B", [12, 13, 14, 15], new)])
+        wait(lambda: later_loader._loads["B"][1].future.done())
+        a_lease = loader._loads["A"][1].future.result().result.lease_id
+        assert a_lease == later_loader._loads["B"][1].future.result().result.lease_id  # (the case this is about)
+        assert loader.finished_loads() == ({"A"}, set())  # copied from the old pool (verified); its lease went with it
+        link.submit(lambda client, ns: None).result()  # a release, had one been sent, is done
+        assert restarted.admin("GetStats").pinned_blocks == 4  # B's blocks are still pinned
+        assert drain_loads(later_loader) == ({"B"}, set())
+        assert restarted.admin("GetStats").pinned_blocks == 0
+    finally:
+        link.close()
+        if restarted is not None:
+            restarted.stop()
 
 
 @contextlib.contextmanager

@@ -120,10 +120,19 @@ class DeviceCall:
 
 @dataclass(frozen=True)
 class _Pinned:
-    """Blocks the daemon pinned for a load, and the pool mapping they are in."""
+    """Blocks the daemon pinned for a load, the pool mapping they are in, and the session that holds
+    their lease (lease ids count from 1 again in a restarted daemon's sessions)."""
 
     result: LookupResult
     view: PageView
+    client: KVTierClient
+
+
+def _release_if_held_by(pinned: _Pinned, client: KVTierClient, ns: Namespace) -> None:
+    """Release a load's lease through the session that holds it; after a reconnect the lease went with
+    the old session, and the same id in the new one is another load's."""
+    if client is pinned.client:
+        client.release(pinned.result.lease_id)
 
 
 @dataclass
@@ -210,7 +219,7 @@ class BlockTransfers:
         result = client.lookup(ns, job.hashes, pin=True)
         past_deadline = time.monotonic_ns() >= deadline_ns
         if result.hit_count == len(job.hashes) and self._gpu_kv is None and not past_deadline:
-            return _Pinned(result, client.state.pool().view)  # released once the engine thread copied
+            return _Pinned(result, client.state.pool().view, client)  # released once the engine thread copied
         try:
             if result.hit_count < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
@@ -229,8 +238,7 @@ class BlockTransfers:
         try:
             copied = self.kv.read_pool(pinned.view, pinned.result.page_ids, job.block_ids)
         finally:
-            lease = pinned.result.lease_id
-            self.link.submit(lambda client, ns: client.release(lease))
+            self.link.submit(partial(_release_if_held_by, pinned))
         if checksum.mismatched(copied, pinned.result.checksums).any():
             raise LoadFailed("a block failed its checksum")
         return len(job.block_ids) * self.kv.block_bytes
