@@ -192,6 +192,24 @@ def test_link_survives_absent_and_restarted_daemon(start_daemon, tmp_path):
         restarted.stop()
 
 
+def test_a_refused_register_is_tried_again_once_per_reconnect_interval(start_daemon):
+    """A namespace the daemon refuses (here: blocks over a quarter of its pool): every call is a miss,
+    and the link does not open a session (and log a warning) for each of them."""
+    daemon = start_daemon("--pool-size", "16MiB")
+    link = DaemonLink(daemon.address, "pytest", timeout=5.0, reconnect_interval=1.0)
+    link.set_namespace_spec(spec(block_bytes=8 << 20))
+    try:
+        calls, deadline = 0, time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            with pytest.raises(DaemonUnavailable):
+                link.submit(lambda client, ns: ns.id).result()
+            calls += 1
+            time.sleep(0.01)
+        assert calls > 50 and 1 <= link.connects <= 5  # about one session a second (calls and the watcher)
+    finally:
+        link.close()
+
+
 def test_a_load_pinned_before_a_daemon_restart_releases_nothing_in_the_new_daemon(start_daemon):
     """A CPU engine's load is pinned, then the daemon restarts and the link reconnects before the engine
     copies it (a long step). Lease ids count from 1 again in the new daemon: the old load's release

@@ -147,6 +147,7 @@ class DaemonLink:
                     log.warning("kvtierd refused cuda_ipc (%s); the engine copies through shared memory", namespace.cuda_refused)
             except grpc.RpcError as exc:
                 self._drop(f"register failed: {exc.code().name}: {exc.details()}")
+                self._down_until = time.monotonic() + self.reconnect_interval  # (not a new session per call)
                 raise DaemonUnavailable(exc.details()) from None
             with self._lock:
                 if self._spec == spec:
