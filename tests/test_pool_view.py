@@ -1,11 +1,16 @@
-"""PageView's gather and scatter between block buffers and pool pages."""
+"""PageView's gather and scatter between block buffers and pool pages, and a client's PoolMapping."""
 
 from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvtier.pool_view import PageView
+from kvtier.pool_view import PageView, PoolMapping
 
 PAGE = 4096
 
@@ -40,3 +45,36 @@ def test_block_buffers_are_one_per_run_of_consecutive_pages():
     assert np.array_equal(joined, np.repeat(block_pages.astype(np.uint8), PAGE))
     np.frombuffer(buffers[1], dtype=np.uint8)[:] = 99  # the buffers are the pool's memory, not copies
     assert (view.pages[3:5] == 99).all() and (view.pages[[2, 5]] != 99).all()
+
+
+def test_populating_a_pool_mapping_lets_the_engines_other_threads_run():
+    """An engine maps the pool at start and after each reconnect; populating its pages takes a while
+    (about 0.25 s a GiB), which its other threads (vLLM's) must not spend waiting for the GIL."""
+    path = Path("/dev/shm") / f"kvtier-test-populate-{os.getpid()}"
+    size = 512 << 20
+    path.write_bytes(b"")
+    os.truncate(path, size)
+    mapping = PoolMapping(path, size, 32 << 10)
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        time.sleep(0.05)
+        start, before = time.perf_counter(), counted[0]
+        time.sleep(0.1)
+        rate = (counted[0] - before) / (time.perf_counter() - start)  # counts a second, the GIL free
+        start, before = time.perf_counter(), counted[0]
+        mapping.populate()
+        elapsed, during = time.perf_counter() - start, counted[0] - before
+    finally:
+        stop.set()
+        counter.join()
+        mapping.close()
+        path.unlink()
+    assert elapsed > 0.02  # (long enough to tell)
+    assert during > 0.5 * rate * elapsed
