@@ -101,6 +101,20 @@ class FsIndex:
         self.inflight_bytes += charge
         return victims
 
+    def restore(self, entry: FsEntry) -> bool:
+        """Index again an entry `reserve` evicted, its file intact after all (the write it made room for
+        failed), unless it no longer fits or its block was indexed again meanwhile."""
+        taken = entry.hash in self.blocks[entry.namespace]
+        if taken or self.used_bytes + entry.charge > self.capacity:
+            return False
+        self.blocks[entry.namespace][entry.hash] = entry
+        self._by_slot[entry.slot] = entry
+        self.indexed_bytes += entry.charge
+        self.changes += 1
+        self.counters[entry.namespace].evictions -= 1
+        self.policy.insert_many([entry.slot], [(entry.namespace, entry.hash)])
+        return True
+
     def unreserve(self, block_bytes: int) -> None:
         self.inflight_bytes -= charged_bytes(block_bytes)
 

@@ -135,7 +135,9 @@ class _Write:
     namespace: Namespace
     hash: bytes
     created_at: float
+    evicted: list[FsEntry]  # the blocks it evicted to make room (their files removed or written over)
     cancelled: bool = False  # deleted while being written: the file is removed when it is complete
+    intact: list[Path] = field(default_factory=list)  # the files of `evicted` still there after it failed
 
 
 class FsTier:
@@ -445,7 +447,7 @@ class FsTier:
                     self.health.skipped["tier_full"] += 1
                     continue
                 try:
-                    copies.append(self._staged_write(ns, block, checksum, stride, [self._path(v) for v in victims]))
+                    copies.append(self._staged_write(ns, block, checksum, stride, victims))
                 except MemoryError:  # the blocks go unwritten; the pool evicts them all the same
                     self.health.skipped["no_memory"] += len(blocks) - i
                     log.warning("fs tier: no memory for staging buffers; blocks not written", extra={"blocks": len(blocks) - i})
@@ -454,15 +456,16 @@ class FsTier:
             if copies:
                 self._copy_and_write(ns.block_bytes, copies)
 
-    def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, evicted: list[Path]) -> _Copy:
+    def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, victims: list[FsEntry]) -> _Copy:
         """A block's write from a staging buffer, over (or after removing) the files `evicted` for it
         (index.reserve charged it), to start once its copy is made (`_copy_and_write`). Should this
         fail, the charge and the buffer go back and the evicted files are removed, before the error
         goes up (a copy or write that fails later goes the way of a failed write, `_written`)."""
         buffer = None
+        evicted = [self._path(victim) for victim in victims]
         try:
             buffer = self.staging.take(stride)
-            job = _Write(ns, block.hash, time.time())
+            job = _Write(ns, block.hash, time.time(), victims)
             reuse = next((path for path in evicted if not self._reading[path]), None)
             copy = _Copy(
                 pages=np.frombuffer(block.pages, dtype="<u4").reshape(1, -1),
@@ -544,7 +547,8 @@ class FsTier:
 
     def _write_file(self, job: _Write, checksum: int, buffer: np.ndarray, reuse: Path | None, evicted: list[Path]) -> None:
         """Write the block over the evicted file `reuse` (if any), after removing the other `evicted`
-        (first, so the files on disk never exceed --fs-size). A failed write leaves no file of either."""
+        (first, so the files on disk never exceed --fs-size). A failed write leaves no file of either,
+        unless the disk refuses to remove them (read-only): those are `intact`, and indexed again."""
         _unlink_all(evicted)
         ns = job.namespace
         try:
@@ -558,6 +562,7 @@ class FsTier:
         except BaseException:
             if reuse is not None:
                 remove_file(reuse)  # (gone already if it became the temporary file, which the failed write removed)
+            job.intact = [path for path in [*evicted, reuse] if path is not None and path.exists()]
             raise
 
     def _written(self, job: _Write, buffer: np.ndarray, future: asyncio.Future) -> None:
@@ -572,12 +577,20 @@ class FsTier:
             self.index.unreserve(ns.block_bytes)
             if exc is not None:
                 self._write_failed(exc)
+                self._index_again([entry for entry in job.evicted if self._path(entry) in job.intact])
             else:
                 self._remove([self._path_of(ns.id, job.hash)])
             return
         self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
         self.index.counters[ns.id].stored_blocks += 1
         self._unsynced.add(self._path_of(ns.id, job.hash).parent)
+
+    def _index_again(self, entries: list[FsEntry]) -> None:
+        """Blocks evicted for a write that failed whose files the disk kept (read-only, or failing):
+        they serve again, as far as they fit (writes started since may have taken their room)."""
+        for entry in entries:
+            if not self.index.restore(entry):
+                self._remove([self._path(entry)])
 
     def _write_failed(self, exc: BaseException) -> None:
         if isinstance(exc, TierClosed):
