@@ -149,6 +149,28 @@ def test_a_refused_pinned_lookup_batch_leaves_no_pin(start_daemon):
         assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 8
 
 
+def test_load_and_reserve_answers_over_the_message_limit_hold_nothing(start_daemon):
+    """Page ids make a Reserve's and a shm Load's answers grow with their blocks: one that would not fit
+    in a message is refused (RESOURCE_EXHAUSTED) and its reservation or lease ended, not left to run
+    out its time (gRPC would refuse to send it after the handler). A 1 GiB pool of 4 KiB pages that
+    is never touched (the blocks are committed with checksums only)."""
+    daemon = start_daemon("--pool-size", "1GiB", "--page-size", "4096", "--max-message-size", "1MiB", "--prefault", "false")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=64 * 4096))  # 264 bytes of answer per block
+        hashes = chain_hashes("big-answers", 4096)
+        with pytest.raises(grpc.RpcError) as reserve:
+            client.reserve(ns, hashes)
+        assert reserve.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in reserve.value.details()
+        assert client.admin.GetStats(pb.GetStatsRequest()).reserved_bytes == 0
+        for half in (hashes[:2048], hashes[2048:]):
+            reservation = client.reserve(ns, half)
+            assert client.commit(reservation.id, checksums=np.ones(len(half), dtype=np.uint64)) == len(half)
+        with pytest.raises(grpc.RpcError) as load:
+            client.load(ns, hashes)
+        assert load.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in load.value.details()
+        assert client.admin.GetStats(pb.GetStatsRequest()).pinned_blocks == 0
+
+
 def test_a_release_of_several_leases_releases_every_one_it_can(client):
     ns = client.register(spec())
     hashes = chain_hashes("release-several", 4)

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -135,7 +137,7 @@ class DataService(pb_grpc.KVTierServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         result = await self._lookup(session, ns, self.store.split_hashes(ns, request.hashes), request.pin)
-        return self._sendable(session.id, result, [result])
+        return self._sendable(result, partial(self._release_leases, session.id, [result]))
 
     @unary
     async def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
@@ -152,22 +154,25 @@ class DataService(pb_grpc.KVTierServicer):
                 raise
         else:  # (nothing here waits or fails: all pins or none)
             results = [await self._lookup(session, ns, query, request.pin) for query in queries]
-        return self._sendable(session.id, pb.LookupBatchResponse(results=results), results)
+        return self._sendable(pb.LookupBatchResponse(results=results), partial(self._release_leases, session.id, results))
 
-    def _sendable(self, session_id: str, response, results: list[pb.LookupResponse]):
-        """The response, when it fits in a message; else its leases are released and the call refused
-        (gRPC would refuse to send it after the handler, the leases pinned until they expire)."""
+    def _sendable(self, response, let_go: Callable[[], None]):
+        """The response, when it fits in a message; else `let_go` ends the holds it carries and the call
+        is refused (gRPC would refuse to send it after the handler, the holds kept until they expire)."""
         size = response.ByteSize()
         if size <= self.limits.max_message_bytes:
             return response
+        let_go()
+        raise ResourceExhausted(
+            f"the answer would be {size} bytes, over the message limit of {self.limits.max_message_bytes}; "
+            "ask for fewer blocks per call (nothing is held for it)"
+        )
+
+    def _release_leases(self, session_id: str, results: list[pb.LookupResponse]) -> None:
         for result in results:
             if result.lease_id:
                 with contextlib.suppress(NotFound):
                     self.store.release(session_id, result.lease_id)
-        raise ResourceExhausted(
-            f"the answer would be {size} bytes, over the message limit of {self.limits.max_message_bytes}; "
-            "look up fewer blocks per call (nothing was pinned)"
-        )
 
     def _release_pins(self, session_id: str, lookups: list[asyncio.Future]) -> None:
         """Release the leases of the pinned lookups that answered; cancel the others (each lets go
@@ -241,9 +246,10 @@ class DataService(pb_grpc.KVTierServicer):
         session.counters.loaded_blocks += len(lease.blocks)
         session.counters.loaded_bytes += len(lease.blocks) * ns.block_bytes
         if transport == pb.TRANSPORT_SHM:
-            return pb.LoadResponse(
+            response = pb.LoadResponse(
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
+            return self._sendable(response, partial(self.store.release, session.id, lease.id))
         if registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
             return await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
@@ -333,11 +339,12 @@ class DataService(pb_grpc.KVTierServicer):
             return await self._store_cuda(session, ns, request)
         result = await self._reserve(session.id, ns, self.store.split_hashes(ns, request.hashes))
         response = pb.ReserveResponse(status=result.statuses.tolist())
-        if result.reservation is not None:
-            response.reservation_id = result.reservation.id
-            response.page_ids = result.reservation.page_ids
-            response.lease_ttl_ms = self.limits.lease_ttl_ms
-        return response
+        if result.reservation is None:
+            return response
+        response.reservation_id = result.reservation.id
+        response.page_ids = result.reservation.page_ids
+        response.lease_ttl_ms = self.limits.lease_ttl_ms
+        return self._sendable(response, partial(self.store.abort, session.id, result.reservation.id))
 
     async def _reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
         """Reserve pool pages for the hashes, and return once they are the reservation's alone: the fs
