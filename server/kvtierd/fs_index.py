@@ -110,8 +110,7 @@ class FsIndex:
         self.blocks[entry.namespace][entry.hash] = entry
         self._by_slot[entry.slot] = entry
         self.indexed_bytes += entry.charge
-        self.changes += 1
-        self.counters[entry.namespace].evictions -= 1
+        self.changes += 1  # (its eviction stays counted: the counter only goes up)
         self.policy.insert_many([entry.slot], [(entry.namespace, entry.hash)])
         return True
 

@@ -136,6 +136,7 @@ class _Write:
     hash: bytes
     created_at: float
     evicted: list[FsEntry]  # the blocks it evicted to make room (their files removed or written over)
+    deletions: int  # FsTier._deletions when it evicted them
     cancelled: bool = False  # deleted while being written: the file is removed when it is complete
     intact: list[Path] = field(default_factory=list)  # the files of `evicted` still there after it failed
 
@@ -159,6 +160,7 @@ class FsTier:
         self._writes: dict[Key, _Write] = {}
         self._promotions: dict[Key, asyncio.Future] = {}
         self._deleted_while_promoted: set[Key] = set()  # not to be committed when their reads return
+        self._deletions = 0  # DeleteBlocks and Clear calls so far (a failed write's victims come back only if none came)
         self._jobs: set[asyncio.Future] = set()
         self._spec_written: set[str] = set()
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
@@ -465,7 +467,7 @@ class FsTier:
         evicted = [self._path(victim) for victim in victims]
         try:
             buffer = self.staging.take(stride)
-            job = _Write(ns, block.hash, time.time(), victims)
+            job = _Write(ns, block.hash, time.time(), victims, self._deletions)
             reuse = next((path for path in evicted if not self._reading[path]), None)
             copy = _Copy(
                 pages=np.frombuffer(block.pages, dtype="<u4").reshape(1, -1),
@@ -577,7 +579,8 @@ class FsTier:
             self.index.unreserve(ns.block_bytes)
             if exc is not None:
                 self._write_failed(exc)
-                self._index_again([entry for entry in job.evicted if self._path(entry) in job.intact])
+                if job.deletions == self._deletions:  # (else one of them may have been deleted meanwhile)
+                    self._index_again([entry for entry in job.evicted if self._path(entry) in job.intact])
             else:
                 self._remove([self._path_of(ns.id, job.hash)])
             return
@@ -587,7 +590,8 @@ class FsTier:
 
     def _index_again(self, entries: list[FsEntry]) -> None:
         """Blocks evicted for a write that failed whose files the disk kept (read-only, or failing):
-        they serve again, as far as they fit (writes started since may have taken their room)."""
+        they serve again, as far as they fit (writes started since may have taken their room). Not
+        after a DeleteBlocks or Clear meanwhile: evicted, they were out of its reach."""
         for entry in entries:
             if not self.index.restore(entry):
                 self._remove([self._path(entry)])
@@ -612,6 +616,7 @@ class FsTier:
 
     def delete(self, ns_id: str, hashes: list[bytes]) -> set[bytes]:
         """Delete blocks from disk (writes in flight are cancelled); returns the hashes that were indexed."""
+        self._deletions += 1
         entries = [e for e in map(partial(self.index.get, ns_id), hashes) if e is not None]
         for block_hash in hashes:
             job = self._writes.get((ns_id, block_hash))
@@ -626,6 +631,7 @@ class FsTier:
 
     def clear(self, ns_id: str | None) -> dict[str, set[bytes]]:
         """Delete every block of a namespace (or all); returns the deleted hashes per namespace."""
+        self._deletions += 1
         for (job_ns, _), job in self._writes.items():
             if ns_id is None or job_ns == ns_id:
                 job.cancelled = True
