@@ -144,13 +144,15 @@ def _recompute_failed_loads(kv_transfer_config) -> None:
     """kvtier is a cache: a load that fails (the daemon gone, a block deleted or corrupt) is a miss,
     and vLLM recomputes those tokens. vLLM's default policy ("fail", since 0.32) would fail the
     request instead; its scheduler reads the policy just after it makes its connector (0.32 and
-    0.33), so the scheduler's connector sets it here."""
+    0.33), so the scheduler's connector sets it here. Inside a MultiConnector this connector has a
+    copy of its own, and the MultiConnector's policy (the one the scheduler reads) must be set there."""
     policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
         kv_transfer_config.kv_load_failure_policy = "recompute"
         log.warning(
             "kv_load_failure_policy was %r; kvtier sets it to 'recompute': a failed load is a cache miss, "
-            "recomputed, never a failed request",
+            "recomputed, never a failed request (inside a MultiConnector, set it on the MultiConnector's "
+            "kv-transfer-config: this connector only sees a copy)",
             policy,
         )
 
