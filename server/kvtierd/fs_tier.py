@@ -459,8 +459,8 @@ class FsTier:
                 self._copy_and_write(ns.block_bytes, copies)
 
     def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, victims: list[FsEntry]) -> _Copy:
-        """A block's write from a staging buffer, over (or after removing) the files `evicted` for it
-        (index.reserve charged it), to start once its copy is made (`_copy_and_write`). Should this
+        """A block's write from a staging buffer, over (or after removing) the files of the `victims`
+        evicted for it (index.reserve charged it), to start once its copy is made (`_copy_and_write`). Should this
         fail, the charge and the buffer go back and the evicted files are removed, before the error
         goes up (a copy or write that fails later goes the way of a failed write, `_written`)."""
         buffer = None
