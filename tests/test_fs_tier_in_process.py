@@ -501,6 +501,45 @@ def test_blocks_cleared_while_a_write_that_evicted_them_fails_stay_deleted(tmp_p
     run_with_tiers(tmp_path, body)
 
 
+def test_files_still_being_removed_count_against_the_tier_size(tmp_path, monkeypatch):
+    """Clear takes its blocks out of the index at once, but their files go in a job on an I/O thread
+    (slow here, as with many files). Until they are gone they keep their room: demotions meanwhile
+    are skipped as if the tier were full, rather than written beside them, past --fs-size."""
+    a, b, c, d, e, f, g, h, i, j, k = chain_hashes("removing", 11)
+    gate, held = threading.Event(), set()
+    real_unlink_all = fs_tier._unlink_all
+
+    def slow_unlink_all(paths: list[Path]) -> None:
+        if held.intersection(paths):
+            gate.wait()
+        real_unlink_all(paths)
+
+    monkeypatch.setattr(fs_tier, "_unlink_all", slow_unlink_all)
+
+    def bytes_on_disk(root: Path) -> int:
+        return sum(path.stat().st_size for path in root.rglob("*") if path.suffix in (".kvb", ".tmp"))
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])
+        await t.put(f, 2)  # A and B on disk: the tier is full
+        await t.settle()
+        held.update({t.path(a), t.path(b)})
+        try:
+            t.store.clear(t.ns)
+            t.fs.clear(t.ns.id)
+            for block_hash in (g, h, i, j, k):  # K's reservation evicts G from the pool
+                await t.put(block_hash, 0)
+            await asyncio.sleep(0.05)
+            assert bytes_on_disk(t.fs.root) <= t.fs.settings.capacity and t.fs.health.skipped["tier_full"] >= 1
+            assert t.fs.index.used_bytes == 2 * charged_bytes(BLOCK)
+        finally:
+            gate.set()
+        await t.settle()
+        assert t.fs.index.removing_bytes == 0 and not t.path(a).exists() and not t.path(b).exists()
+
+    run_with_tiers(tmp_path, body)
+
+
 def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp_path, monkeypatch):
     """A block deleted, its file's removal still queued, when the index file is written: should the
     daemon die before the removal, its next start must see the file (its directory listed, not taken

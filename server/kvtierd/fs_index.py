@@ -46,6 +46,7 @@ class FsIndex:
         self.capacity = capacity
         self.indexed_bytes = 0
         self.inflight_bytes = 0
+        self.removing_bytes = 0  # files out of the index whose removal is still queued (FsTier._remove)
         self.changes = 0  # blocks added and removed so far (the index file is rewritten when it moved)
         self.blocks: dict[str, dict[bytes, FsEntry]] = defaultdict(dict)
         self.counters: dict[str, FsCounters] = defaultdict(FsCounters)
@@ -55,7 +56,7 @@ class FsIndex:
 
     @property
     def used_bytes(self) -> int:
-        return self.indexed_bytes + self.inflight_bytes
+        return self.indexed_bytes + self.inflight_bytes + self.removing_bytes
 
     def __len__(self) -> int:
         return len(self._by_slot)
@@ -88,9 +89,9 @@ class FsIndex:
     def reserve(self, block_bytes: int) -> list[FsEntry] | None:
         """Charge a write of one block, evicting least valuable blocks to stay under the capacity.
         Returns the evicted entries (their files are to be removed), or None when it cannot fit
-        because writes in flight already fill the tier (nothing is evicted then)."""
+        because writes in flight and files still being removed fill the tier (nothing is evicted then)."""
         charge = charged_bytes(block_bytes)
-        if self.inflight_bytes + charge > self.capacity:
+        if self.inflight_bytes + self.removing_bytes + charge > self.capacity:
             return None
         victims = []
         while self.used_bytes + charge > self.capacity:

@@ -64,6 +64,7 @@ from kvtierd.fs_format import (
     align_up,
     aligned_empty,
     block_path,
+    charged_bytes,
     fanout_of,
     fsync_directory,
     probe_direct_io,
@@ -127,6 +128,7 @@ class _Copy:
     write: partial
     removal: asyncio.Future | None
     evicted: list[Path]
+    evicted_bytes: int  # what the evicted files count against --fs-size
     written: asyncio.Future
 
 
@@ -376,16 +378,17 @@ class FsTier:
         if entry is not None:
             self.index.remove(entry)
         fields = {"namespace": ns.id, "hash": block_hash.hex(), "reason": str(exc)}
+        charge = entry.charge if entry is not None else 0
         if isinstance(exc, FileNotFoundError):
             log.info("fs block file missing; dropped", extra=fields)
         elif isinstance(exc, BadBlock):
             self.index.counters[ns.id].checksum_failures += 1
             log.warning("fs block file corrupt; deleted", extra=fields)
-            self._remove([self._path_of(ns.id, block_hash)])
+            self._remove([self._path_of(ns.id, block_hash)], charge)
         elif isinstance(exc, OSError):
             self.health.read_errors += 1
             log.warning("fs block read failed; dropped", extra=fields)
-            self._remove([self._path_of(ns.id, block_hash)])  # (left, it would sit unlisted, uncounted)
+            self._remove([self._path_of(ns.id, block_hash)], charge)  # (left, it would sit unlisted, uncounted)
         else:
             log.error("fs block read failed", extra=fields, exc_info=exc)
 
@@ -475,6 +478,7 @@ class FsTier:
                 write=partial(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse]),
                 removal=self._removals.get(self._path_of(ns.id, block.hash)),  # of this block's file, from before
                 evicted=evicted,
+                evicted_bytes=sum(victim.charge for victim in victims),
                 written=asyncio.get_running_loop().create_future(),
             )
         except BaseException:
@@ -482,7 +486,7 @@ class FsTier:
             if buffer is not None:
                 self.staging.give_back(buffer)
             if evicted:
-                self._remove(evicted)
+                self._remove(evicted, sum(victim.charge for victim in victims))
             raise
         self._jobs.add(copy.written)
         copy.written.add_done_callback(self._jobs.discard)
@@ -523,12 +527,12 @@ class FsTier:
             self._copied_pages[pages] -= 1
             if job.cancelled() or job.exception() is not None:  # (its thread is shut down: the tier closed)
                 for copy in copies:
-                    self._remove(copy.evicted)
+                    self._remove(copy.evicted, copy.evicted_bytes)
                     _pass_on(copy.written, job)
                 return
             for copy, outcome in zip(copies, job.result(), strict=True):
                 if isinstance(outcome, BaseException):
-                    self._remove(copy.evicted)
+                    self._remove(copy.evicted, copy.evicted_bytes)
                     copy.written.set_exception(outcome)
                 elif outcome is None:
                     self._run_after(copy.removal, copy.write).add_done_callback(partial(_pass_on, copy.written))
@@ -582,7 +586,7 @@ class FsTier:
                 if job.deletions == self._deletions:  # (else one of them may have been deleted meanwhile)
                     self._index_again([entry for entry in job.evicted if self._path(entry) in job.intact])
             else:
-                self._remove([self._path_of(ns.id, job.hash)])
+                self._remove([self._path_of(ns.id, job.hash)], charged_bytes(ns.block_bytes))
             return
         self.index.add(ns.id, job.hash, ns.block_bytes, job.created_at, reserved=True)
         self.index.counters[ns.id].stored_blocks += 1
@@ -594,7 +598,7 @@ class FsTier:
         after a DeleteBlocks or Clear meanwhile: evicted, they were out of its reach."""
         for entry in entries:
             if not self.index.restore(entry):
-                self._remove([self._path(entry)])
+                self._remove([self._path(entry)], entry.charge)
 
     def _write_failed(self, exc: BaseException) -> None:
         if isinstance(exc, TierClosed):
@@ -681,11 +685,19 @@ class FsTier:
 
     def _remove_files(self, entries: list[FsEntry]) -> None:
         if entries:
-            self._remove([self._path(e) for e in entries])
+            self._remove([self._path(e) for e in entries], sum(e.charge for e in entries))
 
-    def _remove(self, paths: list[Path]) -> None:
-        """Unlink files on an I/O thread."""
-        self._removing_by(paths, self._run(_unlink_all, paths))
+    def _remove(self, paths: list[Path], charge: int) -> None:
+        """Unlink files on an I/O thread. They are out of the index, but until they are gone they still
+        count against --fs-size (`charge`), so writes meanwhile do not take their room twice."""
+        self.index.removing_bytes += charge
+        job = self._run(_unlink_all, paths)
+        self._removing_by(paths, job)
+
+        def removed(_: asyncio.Future) -> None:
+            self.index.removing_bytes -= charge
+
+        job.add_done_callback(removed)
 
     def _removing_by(self, paths: list[Path], job: asyncio.Future) -> None:
         """`job` removes (or renames away) these files. Until it ends, a write of the same name waits
