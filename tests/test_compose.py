@@ -43,7 +43,8 @@ def test_engines_share_the_daemon_socket_and_pool():
         assert config["kv_load_failure_policy"] == "recompute"
         assert config["kv_connector_extra_config"]["address"] == "unix:///run/kvtierd/kvtierd.sock"
         assert engine["depends_on"][daemon]["condition"] == "service_healthy"
-    for name in gpu:
-        assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    devices = [services[name]["deploy"]["resources"]["reservations"]["devices"][0] for name in gpu]
+    assert all(d["capabilities"] == ["gpu"] and "count" not in d for d in devices)
+    assert len({d["device_ids"][0] for d in devices}) == 2  # a GPU each by default (count: 1 gives both GPU 0)
     for dockerfile in {services[n]["build"]["dockerfile"] for n in [*gpu, *cpu, *daemons.values()]}:
         assert (REPO / dockerfile).exists()
