@@ -152,6 +152,7 @@ def test_bad_inputs(env):
     owner.store(big, many, contents(many, 20_000))
     expect(grpc.StatusCode.RESOURCE_EXHAUSTED, owner.load, big, many, transport="inline", match="message limit")
     assert daemon.admin("GetStats").pinned_blocks == 0  # the refused load left no pin behind
+    assert daemon.admin("GetStats", namespace=big.id).tiers[0].loaded_blocks == 0  # nor counted as loaded
 
     # The daemon logged each refusal and still serves correct data.
     log = daemon.log()

@@ -242,18 +242,23 @@ class DataService(pb_grpc.KVTierServicer):
             _, lease = await self._find(session.id, ns, self.store.split_hashes(ns, request.hashes), pin=True)
             if lease is None:
                 return pb.LoadResponse(block_count=0)
-        self.store.note_loaded(lease)
-        session.counters.loaded_blocks += len(lease.blocks)
-        session.counters.loaded_bytes += len(lease.blocks) * ns.block_bytes
         if transport == pb.TRANSPORT_SHM:
             response = pb.LoadResponse(
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
-            return self._sendable(response, partial(self.store.release, session.id, lease.id))
-        if registration is not None:
+            response = self._sendable(response, partial(self.store.release, session.id, lease.id))
+        elif registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
-            return await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
-        return self._load_inline(session.id, lease)
+            response = await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
+        else:
+            response = self._load_inline(session.id, lease)
+        self._count_loaded(session, lease)  # (only loads that hand their blocks out)
+        return response
+
+    def _count_loaded(self, session: Session, lease: Lease) -> None:
+        self.store.note_loaded(lease)
+        session.counters.loaded_blocks += len(lease.blocks)
+        session.counters.loaded_bytes += len(lease.blocks) * lease.namespace.block_bytes
 
     async def _load_cuda(
         self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer_now
