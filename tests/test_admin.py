@@ -159,7 +159,8 @@ def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
     hashes = chain_hashes("listed", 8)
     store.commit("s", store.reserve("s", ns, hashes).reservation.id)
     sessions = SessionRegistry()
-    service = AdminService(store, None, sessions, Metrics(store, sessions), pb.GetInfoResponse())
+    info = pb.GetInfoResponse(limits=pb.Limits(max_message_bytes=64 << 20))  # (a default daemon's)
+    service = AdminService(store, None, sessions, Metrics(store, sessions), info)
     ranking, gate, real_argsort = threading.Event(), threading.Event(), np.argsort
 
     def held_argsort(*args, **kwargs):
@@ -181,3 +182,21 @@ def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
         assert len(page.blocks) == 5 and page.total == 8 and page.next_page_token == "5"
 
     asyncio.run(main())
+
+
+def test_a_blocks_page_over_the_message_limit_is_refused_and_kvtierctl_refuses_a_limit_below_one(start_daemon):
+    """ListBlocks pages of up to 10000 blocks with 64-byte hashes run past a 1 MiB message limit: the
+    daemon refuses such a page (RESOURCE_EXHAUSTED, logged) instead of gRPC failing to send it. And
+    kvtierctl answers a limit below one with a usage error, not a traceback."""
+    daemon = start_daemon("--pool-size", "64MiB", "--page-size", "4096", "--max-message-size", "1MiB", "--prefault", "false")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=4096, hash_bytes=64))
+        hashes = [h + h for h in chain_hashes("listed", 10_000)]
+        for start in range(0, len(hashes), 4000):
+            batch = hashes[start : start + 4000]
+            assert client.commit(client.reserve(ns, batch).id, checksums=np.ones(len(batch), dtype=np.uint64)) == len(batch)
+    refused = ctl(daemon, "blocks", "--limit", "10000", check=False)
+    assert refused.returncode != 0 and "RESOURCE_EXHAUSTED" in refused.stderr and "ask for fewer" in refused.stderr
+    assert len(json.loads(ctl(daemon, "--json", "blocks", "--limit", "5000").stdout)["blocks"]) == 5000
+    negative = ctl(daemon, "blocks", "--limit", "-1", check=False)
+    assert negative.returncode == 2 and "not a positive number" in negative.stderr and "Traceback" not in negative.stderr

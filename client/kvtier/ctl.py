@@ -184,6 +184,13 @@ def run_command(
     raise AssertionError(c)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtierctl", description="Inspect and manage a running kvtierd.")
     parser.add_argument(
@@ -206,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     blocks = command("blocks", "list cached blocks (paged)")
     blocks.add_argument("--namespace")
     blocks.add_argument("--order", choices=("recency", "hits"), default="recency")
-    blocks.add_argument("--limit", type=int, default=50)
+    blocks.add_argument("--limit", type=_positive, default=50, help="blocks per page (1 to 10000)")
     blocks.add_argument("--page-token")
     blocks.add_argument("--tier", choices=("ram", "fs", ""), default="", help="only blocks of this tier (default: both)")
     inspect = command("inspect", "one block's details and checksum")

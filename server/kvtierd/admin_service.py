@@ -13,7 +13,7 @@ from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.block_store import RAM_TIER, Block, BlockStore, Namespace, TierCounters
-from kvtierd.errors import FailedPrecondition, InvalidArgument
+from kvtierd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtierd.fs_index import FsEntry
 from kvtierd.fs_tier import FS_TIER, FsTier
 from kvtierd.metrics import Metrics
@@ -132,7 +132,13 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         tier = self._tier(request.tier)
         blocks = list(self.store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
         entries = self.fs.index.entries(ns.id if ns else None) if self.fs is not None and tier in ("", FS_TIER) else []
-        return await asyncio.to_thread(self._blocks_page, blocks, entries, request.order, offset, page_size)
+        response = await asyncio.to_thread(self._blocks_page, blocks, entries, request.order, offset, page_size)
+        size, limit = response.ByteSize(), self.info.limits.max_message_bytes
+        if size > limit:  # (gRPC would refuse to send it, unlogged)
+            raise ResourceExhausted(
+                f"a page of {page_size} blocks would be {size} bytes, over the message limit of {limit}; ask for fewer"
+            )
+        return response
 
     def _blocks_page(  # noqa: PLR0913
         self, blocks: list[Block], entries: list[FsEntry], order_by: int, offset: int, page_size: int

@@ -165,8 +165,8 @@ def _validate(config: Config) -> None:
         problems.append("pool_size must hold at least 16 pages")
     if config.store_threshold < 1:
         problems.append("store_threshold must be >= 1")
-    if config.lease_ttl <= 0:
-        problems.append("lease_ttl must be > 0")
+    if not 0 < config.lease_ttl * 1000 < 1 << 32:  # (announced in milliseconds, a uint32)
+        problems.append("lease_ttl must be > 0 and below 49 days")
     if config.max_message_size < 1 << 20:  # (a load's answer keeps 64 KiB for all but the block bytes)
         problems.append("max_message_size must be at least 1 MiB")
     if config.max_batch_blocks < 1 or config.max_namespaces < 1:
