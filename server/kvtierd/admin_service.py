@@ -13,11 +13,11 @@ from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd.block_store import RAM_TIER, Block, BlockStore, Namespace, TierCounters
-from kvtierd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtierd.errors import FailedPrecondition, InvalidArgument
 from kvtierd.fs_index import FsEntry
 from kvtierd.fs_tier import FS_TIER, FsTier
 from kvtierd.metrics import Metrics
-from kvtierd.rpc import unary
+from kvtierd.rpc import check_sendable, unary
 from kvtierd.sessions import SessionRegistry
 from kvtierd.shm_pool import SharedPool
 
@@ -133,11 +133,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         blocks = list(self.store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
         entries = self.fs.index.entries(ns.id if ns else None) if self.fs is not None and tier in ("", FS_TIER) else []
         response = await asyncio.to_thread(self._blocks_page, blocks, entries, request.order, offset, page_size)
-        size, limit = response.ByteSize(), self.info.limits.max_message_bytes
-        if size > limit:  # (gRPC would refuse to send it, unlogged)
-            raise ResourceExhausted(
-                f"a page of {page_size} blocks would be {size} bytes, over the message limit of {limit}; ask for fewer"
-            )
+        check_sendable(response, self.info.limits.max_message_bytes, f"ask for fewer blocks a page than {page_size}")
         return response
 
     def _blocks_page(  # noqa: PLR0913

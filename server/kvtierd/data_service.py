@@ -29,7 +29,7 @@ from kvtierd.errors import (
 from kvtierd.fs_tier import FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
-from kvtierd.rpc import unary
+from kvtierd.rpc import check_sendable, unary
 from kvtierd.sessions import Session, SessionRegistry
 from kvtierd.shm_pool import SharedPool
 
@@ -157,16 +157,14 @@ class DataService(pb_grpc.KVTierServicer):
         return self._sendable(pb.LookupBatchResponse(results=results), partial(self._release_leases, session.id, results))
 
     def _sendable(self, response, let_go: Callable[[], None]):
-        """The response, when it fits in a message; else `let_go` ends the holds it carries and the call
-        is refused (gRPC would refuse to send it after the handler, the holds kept until they expire)."""
-        size = response.ByteSize()
-        if size <= self.limits.max_message_bytes:
-            return response
-        let_go()
-        raise ResourceExhausted(
-            f"the answer would be {size} bytes, over the message limit of {self.limits.max_message_bytes}; "
-            "ask for fewer blocks per call (nothing is held for it)"
-        )
+        """The response, when it fits in a message; else `let_go` ends the holds it carries (they would
+        be kept until they expire) and the call is refused (rpc.check_sendable)."""
+        try:
+            check_sendable(response, self.limits.max_message_bytes, "ask for fewer blocks per call (nothing is held for it)")
+        except ResourceExhausted:
+            let_go()
+            raise
+        return response
 
     def _release_leases(self, session_id: str, results: list[pb.LookupResponse]) -> None:
         for result in results:

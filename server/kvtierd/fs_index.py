@@ -108,11 +108,7 @@ class FsIndex:
         taken = entry.hash in self.blocks[entry.namespace]
         if taken or self.used_bytes + entry.charge > self.capacity:
             return False
-        self.blocks[entry.namespace][entry.hash] = entry
-        self._by_slot[entry.slot] = entry
-        self.indexed_bytes += entry.charge
-        self.changes += 1  # (its eviction stays counted: the counter only goes up)
-        self.policy.insert_many([entry.slot], [(entry.namespace, entry.hash)])
+        self._insert(entry)  # (its eviction stays counted: the counter only goes up)
         return True
 
     def unreserve(self, block_bytes: int) -> None:
@@ -127,12 +123,15 @@ class FsIndex:
         if old is not None:
             self.remove(old)
         entry = FsEntry(namespace, block_hash, next(self._slots), charge, created_at, created_at)
-        self.blocks[namespace][block_hash] = entry
-        self._by_slot[entry.slot] = entry
-        self.indexed_bytes += charge
-        self.changes += 1
-        self.policy.insert_many([entry.slot], [(namespace, block_hash)])
+        self._insert(entry)
         return entry
+
+    def _insert(self, entry: FsEntry) -> None:
+        self.blocks[entry.namespace][entry.hash] = entry
+        self._by_slot[entry.slot] = entry
+        self.indexed_bytes += entry.charge
+        self.changes += 1
+        self.policy.insert_many([entry.slot], [(entry.namespace, entry.hash)])
 
     def add_many(self, namespace: str, hashes: list[bytes], block_bytes: int) -> None:
         """Index blocks found on disk at start (times unknown until a block is first read)."""

@@ -463,11 +463,12 @@ class FsTier:
 
     def _staged_write(self, ns: Namespace, block: Block, checksum: int, stride: int, victims: list[FsEntry]) -> _Copy:
         """A block's write from a staging buffer, over (or after removing) the files of the `victims`
-        evicted for it (index.reserve charged it), to start once its copy is made (`_copy_and_write`). Should this
-        fail, the charge and the buffer go back and the evicted files are removed, before the error
-        goes up (a copy or write that fails later goes the way of a failed write, `_written`)."""
+        evicted for it (index.reserve charged it), to start once its copy is made (`_copy_and_write`).
+        Should this fail, the charge and the buffer go back and the evicted files are removed, before
+        the error goes up (a copy or write that fails later goes the way of a failed write, `_written`)."""
         buffer = None
         evicted = [self._path(victim) for victim in victims]
+        evicted_bytes = sum(victim.charge for victim in victims)
         try:
             buffer = self.staging.take(stride)
             job = _Write(ns, block.hash, time.time(), victims, self._deletions)
@@ -478,7 +479,7 @@ class FsTier:
                 write=partial(self._write_file, job, checksum, buffer, reuse, [p for p in evicted if p != reuse]),
                 removal=self._removals.get(self._path_of(ns.id, block.hash)),  # of this block's file, from before
                 evicted=evicted,
-                evicted_bytes=sum(victim.charge for victim in victims),
+                evicted_bytes=evicted_bytes,
                 written=asyncio.get_running_loop().create_future(),
             )
         except BaseException:
@@ -486,7 +487,7 @@ class FsTier:
             if buffer is not None:
                 self.staging.give_back(buffer)
             if evicted:
-                self._remove(evicted, sum(victim.charge for victim in victims))
+                self._remove(evicted, evicted_bytes)
             raise
         self._jobs.add(copy.written)
         copy.written.add_done_callback(self._jobs.discard)

@@ -9,10 +9,18 @@ import time
 
 import grpc
 
-from kvtierd.errors import KVTierError
+from kvtierd.errors import KVTierError, ResourceExhausted
 from kvtierd.metrics import Metrics
 
 log = logging.getLogger("kvtierd.rpc")
+
+
+def check_sendable(response, limit: int, advice: str) -> None:
+    """Refuse a response over the message limit (RESOURCE_EXHAUSTED, logged like any refusal): gRPC
+    would fail to send it after the handler, unlogged, and the caller never learn why."""
+    size = response.ByteSize()
+    if size > limit:
+        raise ResourceExhausted(f"the answer would be {size} bytes, over the message limit of {limit}; {advice}")
 
 
 def unary(method):
