@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from blocks import spec
-from daemon import DaemonProcess
+from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
 
 from kvtier.client import KVTierClient
 from kvtier.pool_view import PoolMapping, decode_page_ids
@@ -144,13 +148,18 @@ def engine(  # noqa: PLR0913
     geometry=None,
     tp: tuple[int, int] = (0, 1),
     device: int = 0,
+    prefix: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """One fake engine worker process on GPU `device`; `tp` = (its rank, the engine's TP size)."""
+    """One fake engine worker process on GPU `device`, run through the `prefix` command; `tp` = (its
+    rank, the engine's TP size)."""
     spec = {"address": address, "geometry": geometry or GEOMETRY, "layout": layout, "name": name, "steps": steps}
     spec["device"] = device
     spec_json = json.dumps({**spec, "tp_rank": tp[0], "tp_size": tp[1]})
     return subprocess.Popen(
-        [sys.executable, str(HERE / "fake_engine.py"), spec_json], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*prefix, sys.executable, str(HERE / "fake_engine.py"), spec_json],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -617,6 +626,74 @@ def test_fallback_to_shm_when_the_daemon_refuses_cuda_ipc(start_daemon):
     assert not a[1]["cuda_ipc"] and a[1]["stored_blocks"] == 20
     b = results(engine(daemon.address, [{"load": list(range(40, 60)), "seed": 9}, {"check": list(range(40, 60)), "seed": 9}]))
     assert b[0]["loaded"] and not b[0]["cuda_ipc"] and b[1]["matches"]
+
+
+def as_user(uid: int, gid: int, groups: tuple[int, ...], env: dict[str, str]) -> tuple[str, ...]:
+    """A command prefix that runs the command as `uid` (the caller must be root) with `env` added."""
+    switch = (
+        "import os, sys; "
+        f"os.setgroups({list(groups)}); os.setgid({gid}); os.setuid({uid}); os.environ.update({env!r}); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return (sys.executable, "-c", switch)
+
+
+def systemd_environment(cache_directory: Path) -> dict[str, str]:
+    """The Environment= of deploy/systemd/kvtierd.service, its CacheDirectory at `cache_directory`."""
+    unit = (HERE.parent / "deploy" / "systemd" / "kvtierd.service").read_text()
+    lines = [line.removeprefix("Environment=") for line in unit.splitlines() if line.startswith("Environment=")]
+    pairs = [word.split("=", 1) for line in lines for word in shlex.split(line)]
+    return {key: value.replace("/var/cache/kvtierd", str(cache_directory)) for key, value in pairs}
+
+
+@gpu
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the daemon and engines as other users: needs root")
+@pytest.mark.parametrize("engine_user", ["the daemon's", "another of its group"])
+def test_engines_of_a_daemon_run_by_the_systemd_unit(engine_user):
+    """The systemd unit's setup: the daemon runs as a system user of its own (no home; the unit's
+    environment), with the socket and the pool 0660. An engine of the same user gets cuda_ipc (the
+    daemon compiled its kernel). CUDA opens IPC handles only between processes of one user, so an
+    engine of another user in the daemon's group is refused cuda_ipc, with the reason, and copies
+    through shared memory itself."""
+    daemon_uid, group = 61001, 61001
+    engine_uid = daemon_uid if engine_user == "the daemon's" else 61002
+    cache, engine_home = Path(tempfile.mkdtemp(prefix="kvt-cache-")), Path(tempfile.mkdtemp(prefix="kvt-home-"))
+    os.chown(cache, daemon_uid, group)
+    os.chown(engine_home, engine_uid, engine_uid)
+    unit_environment = {"HOME": "/nonexistent", **systemd_environment(cache)}
+    daemon = DaemonProcess(
+        new_daemon_dir(),
+        ["--pool-size", "128MiB", "--socket-mode", "0660", "--shm-mode", "0660"],
+        prefix=list(as_user(daemon_uid, group, (), unit_environment)),
+    )
+    for directory in (daemon.directory, daemon.shm_dir):
+        directory.mkdir(exist_ok=True)
+        os.chown(directory, daemon_uid, group)
+        directory.chmod(0o750)
+    try:
+        daemon.start()
+        steps = [
+            {"fill": list(range(16)), "seed": 4},
+            {"store": list(range(16)), "seed": 4},
+            {"load": list(range(32, 48)), "seed": 4},
+            {"check": list(range(32, 48)), "seed": 4},
+        ]
+        as_engine = as_user(engine_uid, engine_uid, (group,), {"HOME": str(engine_home)})
+        out = results(engine(daemon.address, steps, prefix=as_engine))
+        assert out[1]["stored_blocks"] == 16 and out[2]["loaded"] and out[3]["matches"], daemon.log()[-3000:]
+        assert os.stat(daemon.socket).st_uid == daemon_uid  # (the daemon did run as its own user)
+        if engine_uid == daemon_uid:
+            assert out[1]["cuda_ipc"] and out[2]["cuda_ipc"]
+            assert "refused" not in daemon.log()
+        else:
+            assert not out[1]["cuda_ipc"] and not out[2]["cuda_ipc"]
+            assert "cuda_ipc refused" in daemon.log() and "one user" in daemon.log()
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        remove_daemon_dir(daemon.directory)
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(engine_home, ignore_errors=True)
 
 
 @gpu

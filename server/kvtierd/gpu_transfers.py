@@ -434,7 +434,9 @@ def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, 
             storages = [_open_storage(torch, device_index, a) for a in cache.allocations]
             ready = [torch.cuda.Event.from_ipc_handle(device_index, handle) for handle in cache.ready_events]
         except RuntimeError as exc:
-            raise FailedPrecondition(f"cannot open the engine's CUDA IPC handles: {exc}") from None
+            raise FailedPrecondition(
+                f"cannot open the engine's CUDA IPC handles (CUDA opens them only between processes of one user): {exc}"
+            ) from None
         for index, (storage, allocation) in enumerate(zip(storages, cache.allocations, strict=True)):
             base, size = _allocation_range(storage.data_ptr())
             claim = f"allocation {index} claims {storage.nbytes()} bytes at offset {allocation.offset}"
