@@ -10,6 +10,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 import urllib.request
 from dataclasses import replace
 
@@ -157,3 +158,34 @@ def test_an_answer_sent_before_the_handler_ends_is_the_calls_only_answer(tmp_pat
 async def _closed(server: DataSocketServer) -> None:
     server.close()
     await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
+
+
+@pytest.mark.parametrize("call", ["Lookup", "LookupBatch", "Load", "Reserve"])
+def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call):
+    """A call whose client closed the connection before the answer came: the lease or reservation
+    it made is ended at once (the client never learnt its id), not kept until --lease-ttl."""
+    daemon = start_daemon("--pool-size", "64MiB", "--lease-ttl", "120")
+    path = daemon.socket.with_name(daemon.socket.name + ".data")
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.store(ns, hashes, np.zeros((3, BLOCK), dtype=np.uint8)) == 3
+        session, joined = client.state.session_id, b"".join(hashes)
+        request = {
+            "Lookup": pb.LookupRequest(session_id=session, namespace=ns.id, hashes=joined, pin=True),
+            "LookupBatch": pb.LookupBatchRequest(session_id=session, namespace=ns.id, queries=[joined], pin=True),
+            "Load": pb.LoadRequest(session_id=session, namespace=ns.id, hashes=joined, transport=pb.TRANSPORT_SHM),
+            "Reserve": pb.ReserveRequest(session_id=session, namespace=ns.id, hashes=b"n" * 64, transport=pb.TRANSPORT_SHM),
+        }[call].SerializeToString()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(path))
+            connection.sendall(REQUEST_HEADER.pack(len(request), len(call)) + call.encode() + request)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = daemon.admin("GetStats")
+            if stats.pinned_blocks == 0 and stats.reserved_bytes == 0:
+                break
+            time.sleep(0.05)
+        assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0
+        assert client.lookup(ns, hashes).hit_count == 3  # the session goes on
+    assert re.search(rf"data socket answer undelivered: the client went away method={call}\b", daemon.log())

@@ -137,7 +137,7 @@ class DataService(pb_grpc.KVTierServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         result = await self._lookup(session, ns, self.store.split_hashes(ns, request.hashes), request.pin)
-        return self._sendable(result, partial(self._release_leases, session.id, [result]))
+        return self._sendable(result, partial(self._release_leases, session.id, [result]), context)
 
     @unary
     async def LookupBatch(self, request: pb.LookupBatchRequest, context) -> pb.LookupBatchResponse:  # noqa: N802
@@ -154,16 +154,20 @@ class DataService(pb_grpc.KVTierServicer):
                 raise
         else:  # (nothing here waits or fails: all pins or none)
             results = [await self._lookup(session, ns, query, request.pin) for query in queries]
-        return self._sendable(pb.LookupBatchResponse(results=results), partial(self._release_leases, session.id, results))
+        results = pb.LookupBatchResponse(results=results)
+        return self._sendable(results, partial(self._release_leases, session.id, results.results), context)
 
-    def _sendable(self, response, let_go: Callable[[], None]):
+    def _sendable(self, response, let_go: Callable[[], None], context):
         """The response, when it fits in a message; else `let_go` ends the holds it carries (they would
-        be kept until they expire) and the call is refused (rpc.check_sendable)."""
+        be kept until they expire) and the call is refused (rpc.check_sendable). The data socket also
+        lets them go should the response not reach its client."""
         try:
             check_sendable(response, self.limits.max_message_bytes, "ask for fewer blocks per call (nothing is held for it)")
         except ResourceExhausted:
             let_go()
             raise
+        if (on_undelivered := getattr(context, "on_undelivered", None)) is not None:  # (gRPC: none)
+            on_undelivered(let_go)
         return response
 
     def _release_leases(self, session_id: str, results: list[pb.LookupResponse]) -> None:
@@ -244,7 +248,7 @@ class DataService(pb_grpc.KVTierServicer):
             response = pb.LoadResponse(
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
-            response = self._sendable(response, partial(self.store.release, session.id, lease.id))
+            response = self._sendable(response, partial(self.store.release, session.id, lease.id), context)
         elif registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
             response = await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
@@ -347,7 +351,7 @@ class DataService(pb_grpc.KVTierServicer):
         response.reservation_id = result.reservation.id
         response.page_ids = result.reservation.page_ids
         response.lease_ttl_ms = self.limits.lease_ttl_ms
-        return self._sendable(response, partial(self.store.abort, session.id, result.reservation.id))
+        return self._sendable(response, partial(self.store.abort, session.id, result.reservation.id), context)
 
     async def _reserve(self, session_id: str, ns: Namespace, hashes: list[bytes]) -> ReserveResult:
         """Reserve pool pages for the hashes, and return once they are the reservation's alone: the fs

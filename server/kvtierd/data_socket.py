@@ -5,20 +5,25 @@ wrapper (timing metrics, error statuses, log lines); a refused call answers its 
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
 A handler may answer before it ends (`answer_now`: a GPU load answers the moment its bytes are
-seen in place, and releases its blocks after).
+seen in place, and releases its blocks after). An answer that cannot be written (the client went
+away meanwhile) ends the leases and reservations it carried (`on_undelivered`): nobody else knows
+their ids, and they would hold their blocks until --lease-ttl.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier.data_socket import MESSAGES, REQUEST_HEADER, RESPONSE_HEADER
+from kvtierd.errors import KVTierError
 
 log = logging.getLogger("kvtierd.data_socket")
 
@@ -32,12 +37,14 @@ class _Refused(Exception):
 
 
 class _CallContext:
-    """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), and `answer_now`."""
+    """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), `answer_now` and
+    `on_undelivered`."""
 
     def __init__(self, peer: str, transport: asyncio.WriteTransport) -> None:
         self._peer = peer
         self._transport = transport
         self.answered = False
+        self._let_go: list[Callable[[], None]] = []
 
     def peer(self) -> str:
         return self._peer
@@ -51,6 +58,16 @@ class _CallContext:
         if not self._transport.is_closing():
             self._transport.write(_frame(_OK, response.SerializeToString()))
             self.answered = True
+
+    def on_undelivered(self, let_go: Callable[[], None]) -> None:
+        """Call `let_go` (end the holds the answer carries) should the answer not reach the client."""
+        self._let_go.append(let_go)
+
+    def undelivered(self, method: str) -> None:
+        log.warning("data socket answer undelivered: the client went away", extra={"method": method, "peer": self._peer})
+        for let_go in self._let_go:
+            with contextlib.suppress(KVTierError):  # (ended with its session already)
+                let_go()
 
 
 class DataSocketServer:
@@ -88,7 +105,11 @@ class DataSocketServer:
                 context = _CallContext(peer, writer.transport)
                 status, body = await self._call(method, await reader.readexactly(length), context)
                 if not context.answered:
-                    await _answer(writer, status, body)
+                    try:
+                        await _answer(writer, status, body)
+                    except ConnectionError:
+                        context.undelivered(method)
+                        raise
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (between calls, or in the middle of one)
         finally:
