@@ -507,14 +507,14 @@ def test_files_still_being_removed_count_against_the_tier_size(tmp_path, monkeyp
     are skipped as if the tier were full, rather than written beside them, past --fs-size."""
     a, b, c, d, e, f, g, h, i, j, k = chain_hashes("removing", 11)
     gate, held = threading.Event(), set()
-    real_unlink_all = fs_tier._unlink_all
+    real_unlink_all = FsTier._unlink_all
 
-    def slow_unlink_all(paths: list[Path]) -> None:
+    def slow_unlink_all(tier: FsTier, paths: list[Path]) -> None:
         if held.intersection(paths):
             gate.wait()
-        real_unlink_all(paths)
+        real_unlink_all(tier, paths)
 
-    monkeypatch.setattr(fs_tier, "_unlink_all", slow_unlink_all)
+    monkeypatch.setattr(FsTier, "_unlink_all", slow_unlink_all)
 
     def bytes_on_disk(root: Path) -> int:
         return sum(path.stat().st_size for path in root.rglob("*") if path.suffix in (".kvb", ".tmp"))
@@ -547,13 +547,13 @@ def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp
     a, b, c, d, e = chain_hashes("removal-queued", 5)
     gate, held = threading.Event(), set()
 
-    def held_unlink_all(paths):
+    def held_unlink_all(tier: FsTier, paths: list[Path]) -> None:
         if held.intersection(paths):
             gate.wait()
-        real_unlink_all(paths)
+        real_unlink_all(tier, paths)
 
-    real_unlink_all = fs_tier._unlink_all
-    monkeypatch.setattr(fs_tier, "_unlink_all", held_unlink_all)
+    real_unlink_all = FsTier._unlink_all
+    monkeypatch.setattr(FsTier, "_unlink_all", held_unlink_all)
 
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk
@@ -569,6 +569,38 @@ def test_a_crash_before_a_queued_removal_leaves_no_file_the_index_file_hides(tmp
             assert t.path(a).exists() and restarted.index.get(t.ns.id, a) is not None
         finally:
             gate.set()
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_file_the_disk_refuses_to_remove_is_found_by_the_next_start(tmp_path, monkeypatch):
+    """A deleted block whose file the disk refuses to remove (EIO) is out of the index but on disk:
+    index files must leave its directory out from then on, or every later start would take the
+    directory from the index file and never see the file (uncounted against --fs-size, never
+    removed). The next start lists it, counts the file, and can remove it."""
+    a, b, c, d, e = chain_hashes("unremovable", 5)
+    real_unlink = Path.unlink
+
+    def failing_unlink(path: Path, missing_ok: bool = False) -> None:
+        if path.suffix == ".kvb":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real_unlink(path, missing_ok=missing_ok)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A goes to disk
+        await asyncio.sleep(RACY_SECONDS + 0.1)  # (a directory changed since is never taken from the index file)
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "unlink", failing_unlink)
+            t.fs.delete(t.ns.id, [a])
+            await t.settle()
+        assert t.path(a).exists() and t.fs.index.get(t.ns.id, a) is None
+        await asyncio.sleep(RACY_SECONDS + 0.1)
+        await t.fs.save_index()
+        restarted = FsTier(t.fs.settings, t.pool, BlockStore(num_pages=4, page_size=BLOCK))
+        restarted.open()
+        restarted.executor.shutdown()
+        restarted.readers.shutdown()
+        assert restarted.index.get(t.ns.id, a) is not None
 
     run_with_tiers(tmp_path, body)
 

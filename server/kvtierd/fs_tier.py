@@ -168,6 +168,7 @@ class FsTier:
         self._unsynced: set[Path] = set()  # fan-out directories with renames or removals not yet fsync'd
         self._reading: Counter[Path] = Counter()  # files an I/O thread is reading: not to be reused
         self._removals: dict[Path, asyncio.Future] = {}  # the job still to remove (or rename away) each file
+        self._unlisted: set[Path] = set()  # fan-out directories with a file the disk refused to remove (_unlink)
         self._saved_changes = -1  # index.changes when the index file was last written
         self._staging_sizes: set[int] = set()  # sizes of the staging buffers made ahead of need
 
@@ -212,7 +213,7 @@ class FsTier:
                 strays += scanned.strays
                 listed += scanned.listed
         excess = [self._path(e) for e in self.index.over_capacity()]
-        list(self.executor.map(remove_file, excess))
+        list(self.executor.map(self._unlink, excess))
         self._unsynced.update(path.parent for path in excess)
         log.info(
             "fs tier indexed",
@@ -265,7 +266,7 @@ class FsTier:
             mtimes = await self._run(directory_mtimes, self.root, list(self.index.blocks), FANOUT, executor=self.indexer)
             for ns_id, block_hash in self._writes:
                 mtimes.get(ns_id, {}).pop(fanout_of(block_hash), None)
-            for directory in {path.parent for path in self._removals}:  # (a crash before it: a file unlisted)
+            for directory in {path.parent for path in self._removals} | self._unlisted:  # (else: a file unlisted)
                 mtimes.get(directory.parent.name, {}).pop(directory.name, None)
             hashes = {digest: list(self.index.blocks[digest]) for digest in mtimes}
             unsynced, self._unsynced = self._unsynced, set()
@@ -556,7 +557,7 @@ class FsTier:
         """Write the block over the evicted file `reuse` (if any), after removing the other `evicted`
         (first, so the files on disk never exceed --fs-size). A failed write leaves no file of either,
         unless the disk refuses to remove them (read-only): those are `intact`, and indexed again."""
-        _unlink_all(evicted)
+        self._unlink_all(evicted)
         ns = job.namespace
         try:
             if ns.id not in self._spec_written:
@@ -568,7 +569,7 @@ class FsTier:
             )
         except BaseException:
             if reuse is not None:
-                remove_file(reuse)  # (gone already if it became the temporary file, which the failed write removed)
+                self._unlink(reuse)  # (gone already if it became the temporary file, which the failed write removed)
             job.intact = [path for path in [*evicted, reuse] if path is not None and path.exists()]
             raise
 
@@ -692,13 +693,24 @@ class FsTier:
         """Unlink files on an I/O thread. They are out of the index, but until they are gone they still
         count against --fs-size (`charge`), so writes meanwhile do not take their room twice."""
         self.index.removing_bytes += charge
-        job = self._run(_unlink_all, paths)
+        job = self._run(self._unlink_all, paths)
         self._removing_by(paths, job)
 
         def removed(_: asyncio.Future) -> None:
             self.index.removing_bytes -= charge
 
         job.add_done_callback(removed)
+
+    def _unlink_all(self, paths: list[Path]) -> None:
+        for path in paths:
+            self._unlink(path)
+
+    def _unlink(self, path: Path) -> None:
+        """On an I/O thread: remove a file out of the index. Should the disk refuse (failing), the file
+        stays, unlisted and uncounted: its directory is then left out of every index file, so the next
+        start lists it and finds the file."""
+        if not remove_file(path):
+            self._unlisted.add(path.parent)
 
     def _removing_by(self, paths: list[Path], job: asyncio.Future) -> None:
         """`job` removes (or renames away) these files. Until it ends, a write of the same name waits
@@ -766,8 +778,3 @@ def _pass_on(target: asyncio.Future, source: asyncio.Future) -> None:
         target.set_exception(source.exception())
     else:
         target.set_result(source.result())
-
-
-def _unlink_all(paths: list[Path]) -> None:
-    for path in paths:
-        remove_file(path)
