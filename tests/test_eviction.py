@@ -80,3 +80,25 @@ def test_a_refresh_keeps_a_block_longer_without_counting_a_use():
     arc.refresh_many([1])
     assert list(arc._t1) == [2, 1] and list(arc._t2) == [3]
     assert [arc.pop_victim() for _ in range(3)] == [2, 1, 3]
+
+
+def test_an_undone_eviction_puts_the_victim_back_as_the_next_one():
+    """A victim whose eviction is undone (the fs tier's write it made room for failed) is evicted
+    next again, in its old order, without counting as a use: ARC neither adapts to it as a ghost hit
+    nor promotes it to the frequent list."""
+    lru = LRUPolicy()
+    lru.insert_many([1, 2, 3], ["a", "b", "c"])
+    first, second = lru.pop_victim(), lru.pop_victim()
+    lru.unevict(second, "b")
+    lru.unevict(first, "a")
+    assert [lru.pop_victim() for _ in range(3)] == [1, 2, 3]
+
+    arc = ARCPolicy()
+    arc.insert_many([1, 2, 3], ["a", "b", "c"])
+    arc.access_many([3])  # C is used twice: the frequent list
+    assert arc.pop_victim() == 1
+    arc.unevict(1, "a")
+    assert arc.p == 0.0 and 1 in arc._t1 and "a" not in arc._b1
+    assert arc.pop_victim() == 1
+    arc.insert_many([4], ["a"])  # A comes back as a new block: its ghost was kept by this eviction
+    assert arc.p > 0.0 and 4 in arc._t2

@@ -457,7 +457,8 @@ def read_only(monkeypatch) -> threading.Event:
 def test_a_full_tier_whose_disk_turns_read_only_keeps_serving_the_blocks_it_holds(tmp_path, read_only):
     """A full tier's write evicts blocks to make room, then fails: the disk turned read-only. The
     evicted blocks' files are intact (the disk refused to remove them too), so they stay in the index
-    and load, instead of being dropped one write at a time."""
+    and load, instead of being dropped one write at a time. The victim goes back where it was, the
+    next to be evicted, not as if just used."""
     a, b, c, d, e, f, g = chain_hashes("read-only", 7)
 
     async def body(t: Tiers) -> None:
@@ -465,11 +466,14 @@ def test_a_full_tier_whose_disk_turns_read_only_keeps_serving_the_blocks_it_hold
         await t.put(f, 2)  # A and B on disk: the tier is full
         await t.settle()
         read_only.set()
-        await t.put(g, 0)  # the pool evicts C: its write evicts A (or B) and fails
+        await t.put(g, 0)  # the pool evicts C: its write evicts A (the least recently used) and fails
         await t.settle()
         assert t.fs.health.paused and t.fs.health.write_errors == 1 and t.fs.index.get(t.ns.id, c) is None
         assert {h for h in (a, b) if t.fs.index.get(t.ns.id, h) is not None} == {a, b}
         assert t.fs.index.used_bytes == 2 * charged_bytes(BLOCK)
+        victim = t.fs.index.policy.pop_victim()
+        assert victim == t.fs.index.get(t.ns.id, a).slot
+        t.fs.index.policy.unevict(victim, (t.ns.id, a))
         read_only.clear()
         t.fs.lookup(t.ns, [a])
         await t.fs.promote(t.ns, [a])  # (its reservation evicts D from the pool, unwritten: stores are paused)

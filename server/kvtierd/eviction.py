@@ -36,6 +36,10 @@ class EvictionPolicy(Protocol):
     def pop_victim(self) -> int | None:
         """Remove and return the slot to evict next, or None when the policy is empty."""
 
+    def unevict(self, slot: int, key: Hashable) -> None:
+        """Put back a victim whose eviction was undone: the next victim again, no use counted (ARC: in
+        the list it left, its ghost forgotten)."""
+
     def __len__(self) -> int: ...
 
 
@@ -61,6 +65,10 @@ class LRUPolicy:
         if not self._order:
             return None
         return self._order.popitem(last=False)[0]
+
+    def unevict(self, slot: int, key: Hashable) -> None:
+        self._order[slot] = None
+        self._order.move_to_end(slot, last=False)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -134,6 +142,17 @@ class ARCPolicy:
             longer = self._b1 if len(self._b1) >= len(self._b2) else self._b2
             longer.popitem(last=False)
         return slot
+
+    def unevict(self, slot: int, key: Hashable) -> None:
+        self._keys[slot] = key
+        if key in self._b2:
+            del self._b2[key]
+            listed = self._t2
+        else:
+            self._b1.pop(key, None)
+            listed = self._t1
+        listed[slot] = None
+        listed.move_to_end(slot, last=False)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

@@ -104,11 +104,13 @@ class FsIndex:
 
     def restore(self, entry: FsEntry) -> bool:
         """Index again an entry `reserve` evicted, its file intact after all (the write it made room for
-        failed), unless it no longer fits or its block was indexed again meanwhile."""
+        failed), unless it no longer fits or its block was indexed again meanwhile. It is put back
+        where it was, the next to be evicted (restore a write's victims last first)."""
         taken = entry.hash in self.blocks[entry.namespace]
         if taken or self.used_bytes + entry.charge > self.capacity:
             return False
-        self._insert(entry)  # (its eviction stays counted: the counter only goes up)
+        self._enter(entry)  # (its eviction stays counted: the counter only goes up)
+        self.policy.unevict(entry.slot, (entry.namespace, entry.hash))
         return True
 
     def unreserve(self, block_bytes: int) -> None:
@@ -123,15 +125,15 @@ class FsIndex:
         if old is not None:
             self.remove(old)
         entry = FsEntry(namespace, block_hash, next(self._slots), charge, created_at, created_at)
-        self._insert(entry)
+        self._enter(entry)
+        self.policy.insert_many([entry.slot], [(namespace, block_hash)])
         return entry
 
-    def _insert(self, entry: FsEntry) -> None:
+    def _enter(self, entry: FsEntry) -> None:
         self.blocks[entry.namespace][entry.hash] = entry
         self._by_slot[entry.slot] = entry
         self.indexed_bytes += entry.charge
         self.changes += 1
-        self.policy.insert_many([entry.slot], [(entry.namespace, entry.hash)])
 
     def add_many(self, namespace: str, hashes: list[bytes], block_bytes: int) -> None:
         """Index blocks found on disk at start (times unknown until a block is first read)."""

@@ -598,7 +598,7 @@ class FsTier:
         """Blocks evicted for a write that failed whose files the disk kept (read-only, or failing):
         they serve again, as far as they fit (writes started since may have taken their room). Not
         after a DeleteBlocks or Clear meanwhile: evicted, they were out of its reach."""
-        for entry in entries:
+        for entry in reversed(entries):  # (evicted coldest first: each goes back as the next victim)
             if not self.index.restore(entry):
                 self._remove([self._path(entry)], entry.charge)
 
