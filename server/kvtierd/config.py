@@ -166,7 +166,7 @@ def _validate(config: Config) -> None:
     if config.store_threshold < 1:
         problems.append("store_threshold must be >= 1")
     if not 0 < config.lease_ttl * 1000 < 1 << 32:  # (announced in milliseconds, a uint32)
-        problems.append("lease_ttl must be > 0 and below 49 days")
+        problems.append("lease_ttl must be > 0 and below 2**32 milliseconds (about 49.7 days)")
     if config.max_message_size < 1 << 20:  # (a load's answer keeps 64 KiB for all but the block bytes)
         problems.append("max_message_size must be at least 1 MiB")
     if config.max_batch_blocks < 1 or config.max_namespaces < 1:

@@ -110,11 +110,11 @@ class GpuTransfers:
         took at most 5.7 ms on the H200.)
         `engine_clock_ns` is the engine's CLOCK_MONOTONIC when it sent the request."""
         runs = _checked_runs(cache, block_bytes)
-        _check_clock(engine_clock_ns)
         try:
             template = SegmentTemplate.build(runs, self.page_size)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        _check_clock(engine_clock_ns)
         if self.kernel_error:
             raise FailedPrecondition(f"the copy kernel did not compile: {self.kernel_error}")
         if not self.pool_registered:
