@@ -33,6 +33,8 @@ def store_blocks(store, ns, hashes, session="s1"):
 def assert_accounting(store):
     usage = store.usage()
     assert usage.used_pages == usage.committed_pages + usage.reserved_pages + usage.orphan_pages
+    pinned = [b.namespace.pages_per_block for b in store.block_at if b is not None and store.pins[b.slot] > 0]
+    assert store._pinned_pages == sum(pinned)  # (what a reserve sees as not evictable)
     pages = [np.frombuffer(b.pages, "<u4") for b in store.block_at if b is not None]
     if pages:
         owned = np.concatenate(pages)
@@ -286,4 +288,21 @@ def test_a_failing_eviction_hook_leaves_the_pool_accounting_straight():
     assert not any(h in ns.blocks for h in first[:2]) and len(ns.blocks) == 8
     assert_accounting(store)
     assert store_blocks(store, ns, chain_hashes("hook-third", 2)).reservation is not None  # still evicting
+    assert_accounting(store)
+
+
+def test_a_reserve_that_cannot_fit_evicts_nothing_for_it():
+    """The pool is held by reservations and pins but for three small blocks: a reserve of a block
+    larger than all three answers NO_SPACE and leaves them cached; one that fits in part evicts
+    only for the blocks that fit."""
+    store, _ = make_store(pages=16)
+    big, small = store.register(spec(block_bytes=4 * PAGE, model_id="big")), store.register(spec(block_bytes=PAGE))
+    assert store.reserve("a", big, chain_hashes("big", 3)).reservation is not None  # 12 pages held
+    cached = chain_hashes("small", 4)
+    store_blocks(store, small, cached, session="b")
+    assert store.lookup("b", small, cached[:1], pin=True)[0] == 1  # 1 pinned, 3 evictable
+    assert store.reserve("a", big, chain_hashes("more", 1)).statuses.tolist() == [pb.BLOCK_STATUS_NO_SPACE]
+    assert store.lookup("c", small, cached[1:], pin=False)[0] == 3
+    two = store.reserve("a", small, chain_hashes("two", 5)).statuses.tolist()
+    assert two == [pb.BLOCK_STATUS_RESERVED] * 3 + [pb.BLOCK_STATUS_NO_SPACE] * 2
     assert_accounting(store)

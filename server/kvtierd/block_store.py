@@ -185,6 +185,7 @@ class BlockStore:
         self._ids = itertools.count(1)
         self._reserved_pages = 0
         self._orphan_pages = 0
+        self._pinned_pages = 0  # of blocks with pins (orphans included): not evictable
         # Called with the blocks about to be evicted, while their pages still hold their bytes (the
         # filesystem tier copies them out for demotion); the pages are reused as soon as it returns.
         self.on_evict: Callable[[list[Block]], None] | None = None
@@ -247,7 +248,7 @@ class BlockStore:
         if not pin:
             self.policy.access_many(slots[self.pins[slots] == 0].tolist())
             return len(hit), None
-        self._pin(slots)
+        self._pin(slots, ns.pages_per_block)
         lease = Lease(next(self._ids), session_id, ns, hit, self._clock() + self.lease_ttl)
         self._leases[lease.id] = lease
         return len(hit), lease
@@ -290,7 +291,7 @@ class BlockStore:
         slots = np.fromiter(map(_slot_of, more), dtype=np.int64, count=len(more))
         self.hits[slots] += 1
         self.last_access[slots] = time.time()
-        self._pin(slots)
+        self._pin(slots, ns.pages_per_block)
         if lease is None:
             lease = Lease(next(self._ids), session_id, ns, [], self._clock() + self.lease_ttl)
             self._leases[lease.id] = lease
@@ -306,11 +307,12 @@ class BlockStore:
 
     def _end_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
-        self._unpin(lease.slots)  # distinct: lookups stop at a repeated hash
+        self._unpin(lease.slots, lease.namespace.pages_per_block)  # distinct: lookups stop at a repeated hash
 
-    def _unpin(self, slots: np.ndarray) -> None:
+    def _unpin(self, slots: np.ndarray, pages_per_block: int) -> None:
         self.pins[slots] -= 1
         unpinned = slots[self.pins[slots] == 0]
+        self._pinned_pages -= len(unpinned) * pages_per_block
         states = self.state[unpinned]
         self.policy.restore_many(unpinned[states == COMMITTED].tolist())
         for slot in unpinned[states == DROPPED].tolist():
@@ -318,8 +320,11 @@ class BlockStore:
             self._orphan_pages -= block.namespace.pages_per_block
             self._free(block)
 
-    def _pin(self, slots: np.ndarray) -> None:
-        self.policy.remove_many(slots[self.pins[slots] == 0].tolist(), forget=False)
+    def _pin(self, slots: np.ndarray, pages_per_block: int) -> None:
+        """Pin blocks of one namespace (each once)."""
+        newly = slots[self.pins[slots] == 0]
+        self.policy.remove_many(newly.tolist(), forget=False)
+        self._pinned_pages += len(newly) * pages_per_block
         self.pins[slots] += 1
 
     # ------------------------------------------------------------------ two-phase store
@@ -340,8 +345,10 @@ class BlockStore:
             statuses[refused] = pb.BLOCK_STATUS_NOT_ADMITTED
             wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
         ppb = ns.pages_per_block
-        self._make_room(len(wanted) * ppb)
-        fit = min(len(wanted), self.pages.free // ppb)
+        evictable = self.pages.used - self._reserved_pages - self._pinned_pages  # committed, unpinned
+        fit = min(len(wanted), (self.pages.free + evictable) // ppb)
+        self._make_room(fit * ppb)  # (only for blocks that fit: evicting for the others gains nothing)
+        fit = min(fit, self.pages.free // ppb)
         statuses[wanted[fit:]] = pb.BLOCK_STATUS_NO_SPACE
         if fit == 0:
             return ReserveResult(None, statuses)
