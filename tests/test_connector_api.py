@@ -1,6 +1,7 @@
 """The connector class against the installed vLLM's connector API (no engine needed)."""
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -8,7 +9,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
-from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats  # noqa: E402
+from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats, namespace_spec  # noqa: E402
 
 
 def test_every_abstract_hook_is_implemented_with_vllms_signature():
@@ -36,3 +37,74 @@ def test_stats_round_trip_through_vllms_hooks():
 def test_unknown_extra_config_keys_are_ignored():
     config = ConnectorConfig.from_extra({"address": "unix:///x.sock", "no_such_key": 1, "timeout_s": 0.5})
     assert (config.address, config.timeout_s) == ("unix:///x.sock", 0.5)
+
+
+def engine_config(tmp_path, **changes):
+    """What namespace_spec reads of vLLM's config (vLLM's own KV cache spec classes and HF config)."""
+    import torch
+    from transformers import LlamaConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        model_dir.mkdir()
+        (model_dir / "model.safetensors").write_bytes(b"weights")
+    kv_spec = changes.pop("kv_spec", None) or FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    model = SimpleNamespace(
+        model=str(model_dir),
+        revision=None,
+        quantization=changes.pop("quantization", None),
+        dtype=torch.bfloat16,
+        hf_config=LlamaConfig(num_hidden_layers=2, rope_scaling=changes.pop("rope_scaling", None)),
+    )
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
+    for name, value in changes.pop("parallel", {}).items():
+        setattr(parallel, name, value)
+    vllm_config = SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+        parallel_config=parallel,
+    )
+    groups = [KVCacheGroupSpec(layer_names=["layer.0", "layer.1"], kv_cache_spec=kv_spec)]
+    kv_cache_config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups, **changes)
+    return vllm_config, kv_cache_config
+
+
+def digest(tmp_path, **changes) -> str:
+    from kvtierd.namespace import namespace_digest
+
+    return namespace_digest(namespace_spec(*engine_config(tmp_path, **changes), ConnectorConfig()))
+
+
+def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
+    """The same model path with other weights (another model copied there), a quantized model or
+    overridden rope scaling compute other KV for the same tokens: each is a namespace of its own."""
+    base = digest(tmp_path)
+    assert digest(tmp_path) == base  # (the same engine configured again: the same namespace)
+    assert digest(tmp_path, quantization="fp8") != base
+    assert digest(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0}) != base
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"other weights")
+    assert digest(tmp_path) != base
+
+
+def test_pipeline_stages_are_part_of_the_namespace(tmp_path):
+    spec = namespace_spec(*engine_config(tmp_path, parallel={"pipeline_parallel_size": 2}), ConnectorConfig())
+    assert (spec.pp_size, spec.pp_rank) == (2, 0)  # the scheduler's: stage 0 (each worker sets its own)
+
+
+def test_engines_whose_blocks_are_not_their_hashes_tokens_run_without_the_cache(tmp_path):
+    """Sliding-window attention (blocks outside the window are vLLM's null block), context
+    parallelism (a scheduler block spans several workers' blocks) and hashes over another span of
+    tokens than a block are refused: the connector then serves nothing."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64)
+    for changes, reason in [
+        ({"kv_spec": window}, "full attention only"),
+        ({"parallel": {"decode_context_parallel_size": 2}}, "context parallelism"),
+        ({"parallel": {"prefill_context_parallel_size": 2}}, "context parallelism"),
+        ({"hash_block_size": 32}, "one block size"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            namespace_spec(*engine_config(tmp_path, **changes), ConnectorConfig())

@@ -89,6 +89,33 @@ def test_store_in_one_engine_load_in_another_is_byte_exact(link):
     assert b.stats.loaded_blocks == 5
 
 
+def test_the_stages_of_a_pipeline_parallel_engine_keep_blocks_of_their_own(daemon):
+    """Each stage holds other layers under the same block hashes: a stage loads what it stored
+    itself, never another stage's layers."""
+    pipeline = engine_spec()
+    pipeline.pp_size = 2
+    links = [DaemonLink(daemon.address, f"stage-{rank}", timeout=10.0, reconnect_interval=0.2) for rank in range(2)]
+    try:
+        stages = []
+        for rank, link in enumerate(links):
+            layers = kv_cache(seed=rank)
+            stage = BlockTransfers(link, LayerMajorKV(layers), pp_rank=rank)
+            stage.configure(pipeline.SerializeToString(deterministic=True))
+            stages.append((stage, layers))
+        hashes = chain_hashes("pipeline", 2)
+        for stage, _ in stages:
+            stage.save([StoreJob("r1", [0, 1], hashes)])
+            wait(lambda stage=stage: stage.stats.stored_blocks == 2)
+        stage, layers = stages[1]
+        stage.start_loads([LoadJob("r2", [5, 6], hashes)])
+        assert drain_loads(stage) == ({"r2"}, set())
+        assert all(torch.equal(layer[5:7], layer[0:2]) for layer in layers)  # its own blocks 0 and 1
+        assert len(daemon.admin("ListNamespaces").namespaces) == 2
+    finally:
+        for link in links:
+            link.close()
+
+
 def test_loads_fail_when_blocks_are_gone_or_corrupt(link, daemon):
     a, _ = transfers(link, seed=1)
     b, _ = transfers(link, seed=2)

@@ -72,7 +72,9 @@ def test_format_version_changes_the_digest(monkeypatch):
         {"tokens_per_block": 0},
         {"chunk_bytes": [1, 2]},
         {"tp_size": 2, "tp_rank": 2},
+        {"pp_size": 2, "pp_rank": 2},
         {"block_bytes": 1 << 40},
+        {"model_id": "m" * 9000},  # (every spec goes into GetStats and ListNamespaces answers)
     ],
 )
 def test_invalid_specs_are_refused(bad):

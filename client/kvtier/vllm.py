@@ -12,9 +12,12 @@ never a request: lookups become misses, failed loads are reported so vLLM recomp
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -108,10 +111,11 @@ def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig) -> pb.
     if len(groups) != 1:
         raise ValueError(f"kvtier supports models with one KV cache group, not {len(groups)}")
     spec = groups[0].kv_cache_spec
+    check_supported(vllm_config, kv_cache_config, spec)
     layers = len(groups[0].layer_names)
     page = spec.page_size_bytes
     none_hash = getattr(kv_cache_utils, "NONE_HASH", b"") or b""
-    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    model_config, cache_config, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     return pb.NamespaceSpec(
         model_id=str(model_config.model),
         tokens_per_block=cache_config.block_size,
@@ -122,22 +126,75 @@ def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig) -> pb.
         head_size=getattr(spec, "head_size", 0),
         block_bytes=page * layers,
         chunk_bytes=[page] * layers,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
         tp_rank=0,
+        pp_size=parallel.pipeline_parallel_size,
+        pp_rank=0,
         hash_algorithm=str(cache_config.prefix_caching_hash_algo),
         hash_seed=bytes(none_hash).hex(),
         hash_bytes=len(none_hash) or 32,
-        extra={"revision": str(model_config.revision or ""), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
+        extra={**model_identity(model_config), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
     )
 
 
-def tensor_parallel_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+def check_supported(vllm_config, kv_cache_config, spec) -> None:
+    """Refuse (ValueError: the engine runs without the cache) what would make a block's bytes not
+    those of its hash's tokens: attention other than full (a sliding window's blocks outside it are
+    vLLM's null block), context parallelism (a scheduler block spans several workers' blocks, and
+    the hashes with it), or hashes over other spans of tokens than a block."""
+    from vllm.v1 import kv_cache_interface  # noqa: PLC0415
 
-        return get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001 (no TP group: a single worker)
-        return 0
+    full = tuple(getattr(kv_cache_interface, name, None) for name in ("FullAttentionSpec", "MLAAttentionSpec"))
+    if type(spec) not in full or getattr(spec, "tokens_per_state", 1) != 1:
+        raise ValueError(f"kvtier supports full attention only, not {type(spec).__name__}")
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            raise ValueError(f"kvtier does not support context parallelism ({name} {getattr(parallel, name)})")
+    block_size = vllm_config.cache_config.block_size
+    sizes = {"KV cache spec block_size": spec.block_size, "hash_block_size": getattr(kv_cache_config, "hash_block_size", None)}
+    for name, size in sizes.items():
+        if size is not None and size != block_size:
+            raise ValueError(f"kvtier needs one block size: {name} {size} != cache block_size {block_size}")
+
+
+def model_identity(model_config) -> dict[str, str]:
+    """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
+    its HF config as loaded (overrides such as rope scaling applied), and for a local directory its
+    files' names, sizes and mtimes (another model copied under the same path is another namespace)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    config_json = json.dumps(hf_config.to_dict(), sort_keys=True, default=str) if hf_config is not None else ""
+    identity = {
+        "revision": str(model_config.revision or ""),
+        "quantization": str(getattr(model_config, "quantization", None) or ""),
+        "dtype": str(getattr(model_config, "dtype", "")),
+        "hf_config": hashlib.sha256(config_json.encode()).hexdigest(),
+    }
+    if os.path.isdir(str(model_config.model)):
+        identity["files"] = files_fingerprint(Path(str(model_config.model)))
+    return identity
+
+
+def files_fingerprint(directory: Path) -> str:
+    """A digest of the names, sizes and modification times of a directory's files (no file is read)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def worker_ranks() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and pipeline stage (0 without those groups)."""
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+
+    def rank(get) -> int:
+        try:
+            return get()
+        except Exception:  # noqa: BLE001 (no such group: a single worker)
+            return 0
+
+    return rank(parallel_state.get_tensor_model_parallel_rank), rank(lambda: parallel_state.get_pp_group().rank_in_group)
 
 
 def _recompute_failed_loads(kv_transfer_config) -> None:
@@ -284,13 +341,15 @@ class KVTierConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("kvtier cannot use this KV cache layout; the engine runs without the cache")
             kv = None
+        tp_rank, pp_rank = worker_ranks()
         self._transfers = BlockTransfers(
             self._link,
             kv,
             self.config.max_pending_store_bytes,
-            tensor_parallel_rank(),
+            tp_rank,
             self.config.debug_load_delay_s,
             delay_frees=_on_gpu(self._vllm_config),
+            pp_rank=pp_rank,
         )
         if kv is not None:
             log.info("kvtier connector ready: %d layers, %d bytes per block", len(kv_caches), kv.block_bytes)

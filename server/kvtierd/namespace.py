@@ -12,6 +12,7 @@ from kvtierd.errors import InvalidArgument
 # Bump when the meaning of stored bytes changes; old namespaces then never match new ones.
 NAMESPACE_FORMAT_VERSION = 1
 MAX_HASH_BYTES = 64
+MAX_SPEC_BYTES = 8192  # every namespace's spec goes into GetStats and ListNamespaces answers
 
 
 def namespace_digest(spec: pb.NamespaceSpec) -> str:
@@ -21,6 +22,8 @@ def namespace_digest(spec: pb.NamespaceSpec) -> str:
 
 
 def validate_spec(spec: pb.NamespaceSpec, pool_size: int) -> None:
+    if spec.ByteSize() > MAX_SPEC_BYTES:
+        raise InvalidArgument(f"namespace spec: {spec.ByteSize()} bytes, more than the limit of {MAX_SPEC_BYTES}")
     if not spec.model_id:
         raise InvalidArgument("namespace spec: model_id is required")
     if spec.block_bytes == 0 or spec.block_bytes > pool_size // 4:
@@ -37,3 +40,5 @@ def validate_spec(spec: pb.NamespaceSpec, pool_size: int) -> None:
         )
     if spec.tp_size and spec.tp_rank >= spec.tp_size:
         raise InvalidArgument(f"namespace spec: tp_rank {spec.tp_rank} out of range for tp_size {spec.tp_size}")
+    if spec.pp_size and spec.pp_rank >= spec.pp_size:
+        raise InvalidArgument(f"namespace spec: pp_rank {spec.pp_rank} out of range for pp_size {spec.pp_size}")

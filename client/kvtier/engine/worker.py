@@ -143,6 +143,7 @@ class BlockTransfers:
     tp_rank: int = 0
     load_delay_s: float = 0.0
     delay_frees: bool = False  # GPU engines: vLLM keeps finished requests' blocks until finished_stores says so
+    pp_rank: int = 0  # pipeline stage: each stage holds other layers, so it keeps blocks of its own
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
     _disabled: str = ""
@@ -154,8 +155,8 @@ class BlockTransfers:
     _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
 
     def configure(self, namespace_spec: bytes) -> None:
-        """Adopt the namespace the scheduler side computed (for our TP rank); refuse it if our cache's
-        geometry differs."""
+        """Adopt the namespace the scheduler side computed (for our TP rank and pipeline stage); refuse
+        it if our cache's geometry differs."""
         if not namespace_spec or namespace_spec == self._spec:
             return
         self._spec = namespace_spec
@@ -172,7 +173,7 @@ class BlockTransfers:
             log.error("kvtier transfers disabled: %s", self._disabled)
             return
         self._disabled = ""
-        spec.tp_rank = self.tp_rank
+        spec.tp_rank, spec.pp_rank = self.tp_rank, self.pp_rank
         if self._gpu_kv is not None:
             try:
                 self.link.set_cuda_kv(self._gpu_kv.describe())

@@ -103,7 +103,7 @@ class Limits(_message.Message):
     def __init__(self, max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_namespaces: _Optional[int] = ...) -> None: ...
 
 class NamespaceSpec(_message.Message):
-    __slots__ = ("model_id", "tokens_per_block", "kv_dtype", "layout", "num_layers", "num_kv_heads", "head_size", "block_bytes", "chunk_bytes", "tp_size", "tp_rank", "hash_algorithm", "hash_seed", "hash_bytes", "extra")
+    __slots__ = ("model_id", "tokens_per_block", "kv_dtype", "layout", "num_layers", "num_kv_heads", "head_size", "block_bytes", "chunk_bytes", "tp_size", "tp_rank", "hash_algorithm", "hash_seed", "hash_bytes", "extra", "pp_size", "pp_rank")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class NamespaceSpec(_message.Message):
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokens_per_block: int
     kv_dtype: str
@@ -141,7 +143,9 @@ class NamespaceSpec(_message.Message):
     hash_seed: str
     hash_bytes: int
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, model_id: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_bytes: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    pp_size: int
+    pp_rank: int
+    def __init__(self, model_id: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., chunk_bytes: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., hash_seed: _Optional[str] = ..., hash_bytes: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ...) -> None: ...
 
 class CudaAllocation(_message.Message):
     __slots__ = ("ipc_handle", "size_bytes", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
