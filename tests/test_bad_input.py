@@ -82,6 +82,8 @@ def test_bad_inputs(env):
         (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
         # release of an unknown lease
         (grpc.StatusCode.NOT_FOUND, "lease", lambda: call(owner, "Release", lease_id=424242)),
+        # more leases in one release than the batch limit (each unknown one is a refusal to build)
+        (grpc.StatusCode.INVALID_ARGUMENT, "exceed", lambda: call(owner, "Release", more_lease_ids=[424242] * 65)),
     ]
     for code, match, fn in cases:
         expect(code, fn, match=match)
@@ -187,6 +189,7 @@ def test_admin_bad_inputs(env):
         ("ListBlocks", {"page_token": "abc"}, grpc.StatusCode.INVALID_ARGUMENT),
         ("ListBlocks", {"page_token": "²"}, grpc.StatusCode.INVALID_ARGUMENT),  # a digit to isdigit(), not to int()
         ("ListBlocks", {"page_token": "١٢"}, grpc.StatusCode.INVALID_ARGUMENT),  # Arabic-Indic digits
+        ("ListBlocks", {"page_token": "1" * 5000}, grpc.StatusCode.INVALID_ARGUMENT),  # past int()'s 4300 digits
         ("ListBlocks", {"page_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT),
         ("Clear", {}, grpc.StatusCode.INVALID_ARGUMENT),
         ("Clear", {"namespace": "missing"}, grpc.StatusCode.NOT_FOUND),

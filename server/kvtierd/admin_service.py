@@ -126,7 +126,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         if page_size > MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size {page_size} exceeds {MAX_PAGE_SIZE}")
         token = request.page_token or "0"
-        if not (token.isascii() and token.isdigit()):
+        if not (token.isascii() and token.isdigit() and len(token) <= 20):  # (an offset: a uint64 at most)
             raise InvalidArgument(f"bad page_token {request.page_token!r}")
         offset = int(token)
         tier = self._tier(request.tier)

@@ -62,7 +62,9 @@ class Config:
         30.0, "Seconds a pin lease or reservation may live, from its creation; then it is freed.", _parse_seconds
     )
     max_batch_blocks: int = _option(4096, "Most block hashes one call may carry.", int)
-    max_message_size: int = _option(64 << 20, "Largest gRPC message (bounds inline transfers; at least 1 MiB).", parse_size)
+    max_message_size: int = _option(
+        64 << 20, "Largest gRPC message (bounds inline transfers; at least 1 MiB, below 2 GiB).", parse_size
+    )
     max_namespaces: int = _option(64, "Most namespaces the daemon keeps.", int)
     fs_path: str = _option("", "Directory of the filesystem tier behind the pool (off unless given).")
     fs_size: int = _option(0, "Most bytes the filesystem tier may hold, e.g. 500GiB (needed with --fs-path).", parse_size)
@@ -167,8 +169,8 @@ def _validate(config: Config) -> None:
         problems.append("store_threshold must be >= 1")
     if not 0 < config.lease_ttl * 1000 < 1 << 32:  # (announced in milliseconds, a uint32)
         problems.append("lease_ttl must be > 0 and below 2**32 milliseconds (about 49.7 days)")
-    if config.max_message_size < 1 << 20:  # (a load's answer keeps 64 KiB for all but the block bytes)
-        problems.append("max_message_size must be at least 1 MiB")
+    if not 1 << 20 <= config.max_message_size < 1 << 31:  # (a load's answer keeps 64 KiB; gRPC's limit is an int32)
+        problems.append("max_message_size must be at least 1 MiB and below 2 GiB")
     if config.max_batch_blocks < 1 or config.max_namespaces < 1:
         problems.append("max_batch_blocks and max_namespaces must be >= 1")
     if config.fs_path and config.fs_size <= 0:

@@ -328,6 +328,8 @@ class DataService(pb_grpc.KVTierServicer):
         """Release every lease named that can be; then refuse the call for the first that could not."""
         session = self.sessions.get(request.session_id)
         lease_ids = [request.lease_id, *request.more_lease_ids] if request.lease_id else list(request.more_lease_ids)
+        if len(lease_ids) > self.limits.max_batch_blocks:
+            raise InvalidArgument(f"{len(lease_ids)} leases exceed the limit of {self.limits.max_batch_blocks} per call")
         refused: list[KVTierError] = []
         for lease_id in lease_ids:
             try:
