@@ -1,5 +1,7 @@
 """Every malformed or hostile call gets a precise status and a log line; the daemon keeps serving."""
 
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -197,3 +199,14 @@ def test_admin_bad_inputs(env):
         ("GetStats", {"namespace": "missing"}, grpc.StatusCode.NOT_FOUND),
     ]:
         expect(code, daemon.admin, method, **fields)
+
+
+@pytest.mark.parametrize("service, method", [("KVTier", "Lookup"), ("KVTierAdmin", "ListBlocks")])
+def test_a_request_that_does_not_parse_is_invalid_argument_logged_and_counted(env, service, method):
+    """gRPC's own parse failure answers UNKNOWN, with only a gRPC traceback in the log; the daemon's
+    handlers get it instead and refuse it like any bad input."""
+    daemon, _, _ = env
+    with grpc.insecure_channel(daemon.address) as channel:
+        raw = channel.unary_unary(f"/kvtier.v1.{service}/{method}")  # bytes in, bytes out
+        details = expect(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\x05ab", timeout=5, match=f"malformed {method} request")
+    assert re.search(rf"request refused method={method} code=INVALID_ARGUMENT reason=malformed", daemon.log()), details

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvtier.data_socket import MESSAGES, REQUEST_HEADER, RESPONSE_HEADER
 from kvtierd.errors import KVTierError
+from kvtierd.rpc import parse
 
 log = logging.getLogger("kvtierd.data_socket")
 
@@ -120,11 +120,7 @@ class DataSocketServer:
         if method not in MESSAGES:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary KVTier method {method!r}".encode()
         try:
-            request = MESSAGES[method][0].FromString(payload)
-        except DecodeError:
-            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"malformed {method} request".encode()
-        try:
-            response = await getattr(self.service, method)(request, context)
+            response = await getattr(self.service, method)(parse(MESSAGES[method][0])(payload), context)
         except _Refused as refused:
             return refused.code.value[0], refused.details.encode()
         return _OK, response.SerializeToString()

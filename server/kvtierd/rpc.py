@@ -1,4 +1,6 @@
-"""Turns a plain handler into a grpc.aio unary method: timing, error statuses and log lines."""
+"""Turns a plain handler into a grpc.aio unary method: timing, error statuses and log lines; and
+registers services so that a request that does not parse reaches it (INVALID_ARGUMENT, logged and
+counted) instead of failing inside gRPC (UNKNOWN, unlogged)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,14 @@ import functools
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 
-from kvtierd.errors import KVTierError, ResourceExhausted
+from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.errors import InvalidArgument, KVTierError, ResourceExhausted
 from kvtierd.metrics import Metrics
 
 log = logging.getLogger("kvtierd.rpc")
@@ -23,6 +29,44 @@ def check_sendable(response, limit: int, advice: str) -> None:
         raise ResourceExhausted(f"the answer would be {size} bytes, over the message limit of {limit}; {advice}")
 
 
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse, handed to the handler to refuse."""
+
+    reason: str
+
+
+def parse(request_type):
+    """A request deserializer that gives Malformed instead of raising."""
+
+    def deserialize(data: bytes):
+        try:
+            return request_type.FromString(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+
+    return deserialize
+
+
+def add_service(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> None:
+    """Register the servicer's methods (as the generated add_*Servicer_to_server does), unary
+    requests parsed by `parse`."""
+    handlers = {}
+    for method in service.methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        if method.client_streaming and method.server_streaming:
+            make, deserialize = grpc.stream_stream_rpc_method_handler, request.FromString
+        elif not (method.client_streaming or method.server_streaming):
+            make, deserialize = grpc.unary_unary_rpc_method_handler, parse(request)
+        else:
+            raise ValueError(f"{method.full_name}: only unary and bidirectional methods are served")
+        handlers[method.name] = make(
+            getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=response.SerializeToString
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def unary(method):
     """`method(self, request, context) -> response` (or a coroutine of it); `self.metrics` must be a Metrics."""
     name = method.__name__
@@ -32,6 +76,8 @@ def unary(method):
         metrics: Metrics = self.metrics
         started = time.perf_counter()
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(f"malformed {name} request: {request.reason}")
             response = method(self, request, context)
             return await response if inspect.isawaitable(response) else response
         except KVTierError as exc:

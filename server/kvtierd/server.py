@@ -19,7 +19,6 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvtier.v1 import kvtier_pb2 as pb
-from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
 from kvtierd import __version__
 from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
@@ -30,6 +29,7 @@ from kvtierd.errors import KVTierError
 from kvtierd.fs_tier import FsSettings, FsTier
 from kvtierd.gpu_transfers import GpuTransfers
 from kvtierd.metrics import Metrics
+from kvtierd.rpc import add_service
 from kvtierd.sessions import SessionRegistry
 from kvtierd.shm_pool import SharedPool, pool_file_prefix
 
@@ -37,10 +37,8 @@ log = logging.getLogger("kvtierd")
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 _UNIX_PATH_MAX = 107
-SERVICE_NAMES = (
-    pb.DESCRIPTOR.services_by_name["KVTier"].full_name,
-    pb.DESCRIPTOR.services_by_name["KVTierAdmin"].full_name,
-)
+SERVICES = (pb.DESCRIPTOR.services_by_name["KVTier"], pb.DESCRIPTOR.services_by_name["KVTierAdmin"])
+SERVICE_NAMES = tuple(service.full_name for service in SERVICES)
 
 
 @dataclass
@@ -157,8 +155,8 @@ def build(config: Config) -> Daemon:
     if cuda_registered:
         gpu.warm_up()
     data = DataService(store, pool, sessions, metrics, limits, pool_info, fs, gpu, fast_path.name if fast_path else "")
-    pb_grpc.add_KVTierServicer_to_server(data, server)
-    pb_grpc.add_KVTierAdminServicer_to_server(AdminService(store, pool, sessions, metrics, info, fs), server)
+    for servicer, service in zip((data, AdminService(store, pool, sessions, metrics, info, fs)), SERVICES, strict=True):
+        add_service(server, servicer, service)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
