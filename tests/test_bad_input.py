@@ -210,3 +210,12 @@ def test_a_request_that_does_not_parse_is_invalid_argument_logged_and_counted(en
         raw = channel.unary_unary(f"/kvtier.v1.{service}/{method}")  # bytes in, bytes out
         details = expect(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\x05ab", timeout=5, match=f"malformed {method} request")
     assert re.search(rf"request refused method={method} code=INVALID_ARGUMENT reason=malformed", daemon.log()), details
+
+
+def test_a_hello_with_an_overlong_engine_name_is_refused(env):
+    daemon, _, _ = env
+    with pytest.raises(ConnectionError, match="INVALID_ARGUMENT.*limited to 256 characters"):
+        KVTierClient(daemon.address, engine_name="e" * 257, timeout=5).connect()
+    with KVTierClient(daemon.address, engine_name="e" * 256, timeout=5):
+        pass
+    assert "session refused reason=Hello's engine_name" in daemon.log()

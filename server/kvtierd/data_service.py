@@ -37,6 +37,7 @@ log = logging.getLogger("kvtierd.data")
 
 # Room left in a message for everything but block bytes.
 _MESSAGE_OVERHEAD = 64 << 10
+MAX_NAME_CHARS = 256  # Hello's engine_name and hostname (every session's go into ListEngines answers)
 
 
 class DataService(pb_grpc.KVTierServicer):
@@ -69,10 +70,15 @@ class DataService(pb_grpc.KVTierServicer):
 
     async def Session(self, request_iterator, context):  # noqa: N802 (gRPC names)
         first = await anext(aiter(request_iterator), None)
+        reason = ""
         if first is None or first.WhichOneof("kind") != "hello":
+            reason = "the first message of a session must be Hello"
+        elif max(len(first.hello.engine_name), len(first.hello.hostname)) > MAX_NAME_CHARS:
+            reason = f"Hello's engine_name and hostname are limited to {MAX_NAME_CHARS} characters"
+        if reason:
             self.metrics.rpc_errors.labels("Session", "INVALID_ARGUMENT").inc()
-            log.warning("session refused: first message is not Hello", extra={"peer": context.peer()})
-            await context.abort(InvalidArgument.code, "the first message of a session must be Hello")
+            log.warning("session refused", extra={"reason": reason, "peer": context.peer()})
+            await context.abort(InvalidArgument.code, reason)
         session = self.sessions.open(first.hello, context.peer())
         log.info(
             "engine connected",
