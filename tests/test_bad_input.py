@@ -84,6 +84,12 @@ def test_bad_inputs(env):
         (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
         # release of an unknown lease
         (grpc.StatusCode.NOT_FOUND, "lease", lambda: call(owner, "Release", lease_id=424242)),
+        # more hashes in all the queries of a batch than the limit
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "in all exceed",
+            lambda: call(owner, "LookupBatch", namespace=ns.id, queries=[b"h" * 32 * 40] * 2),
+        ),
         # more leases in one release than the batch limit (each unknown one is a refusal to build)
         (grpc.StatusCode.INVALID_ARGUMENT, "exceed", lambda: call(owner, "Release", more_lease_ids=[424242] * 65)),
     ]

@@ -620,6 +620,22 @@ def test_daemon_restart_engines_reconnect(start_daemon, tmp_path):
 
 
 @gpu
+@pytest.mark.parametrize("cuda_register", ["true", "false"])  # the daemon copies (cuda_ipc), or the engine (shm)
+def test_stores_and_loads_over_the_batch_limit_go_in_several_calls(start_daemon, cuda_register):
+    daemon = start_daemon("--pool-size", "128MiB", "--max-batch-blocks", "8", "--cuda-register", cuda_register)
+    steps = [
+        {"fill": list(range(20)), "seed": 6},
+        {"store": list(range(20)), "seed": 6},
+        {"load": list(range(30, 50)), "seed": 6},
+        {"check": list(range(30, 50)), "seed": 6},
+    ]
+    out = results(engine(daemon.address, steps))
+    assert out[1]["stored_blocks"] == 20 and out[2]["loaded"] and out[3]["matches"]
+    assert out[1]["cuda_ipc"] == (cuda_register == "true")
+    assert "request refused" not in daemon.log()
+
+
+@gpu
 def test_fallback_to_shm_when_the_daemon_refuses_cuda_ipc(start_daemon):
     daemon = start_daemon("--pool-size", "128MiB", "--cuda-register", "false")
     a = results(engine(daemon.address, [{"fill": list(range(20)), "seed": 9}, {"store": list(range(20)), "seed": 9}]))

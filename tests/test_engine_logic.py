@@ -177,6 +177,35 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (0, False)  # never offered again
 
 
+def test_calls_stay_within_the_daemons_batch_limit(start_daemon):
+    """A step's stores and lookups larger than --max-batch-blocks go in several calls (a long prompt's
+    hit is its first max_batch_blocks blocks): one call over the limit was refused, and with it
+    every store of the step, or every lookup of the batch."""
+    daemon = start_daemon("--pool-size", "64MiB", "--max-batch-blocks", "8")
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        worker, _ = transfers(link, seed=1)
+        hashes = chain_hashes("limit", 20)
+        worker.save([StoreJob("a", list(range(12)), hashes[:12]), StoreJob("b", list(range(12, 20)), hashes[12:])])
+        wait(lambda: worker.stats.stored_blocks == 20)
+        planner = planner_for(link)
+        prompts = {
+            "long": (hashes, 21 * BLOCK_TOKENS),
+            "short": (hashes[:6], 7 * BLOCK_TOKENS),
+            "other": (hashes[:3], 4 * BLOCK_TOKENS),
+        }
+        for req_id, (prefix, tokens) in prompts.items():
+            assert planner.matched_tokens(req_id, prefix, tokens, 0, None) == (None, False)
+        planner.plan_step([])  # 8 + 6 + 3 hashes: two LookupBatch calls
+        wait(lambda: planner.matched_tokens("other", hashes[:3], 4 * BLOCK_TOKENS, 0, None) != (None, False))
+        hits = {req_id: planner.matched_tokens(req_id, prefix, tokens, 0, None) for req_id, (prefix, tokens) in prompts.items()}
+        assert hits == {"long": (8 * BLOCK_TOKENS, True), "short": (6 * BLOCK_TOKENS, True), "other": (3 * BLOCK_TOKENS, True)}
+        assert "request refused" not in daemon.log()
+    finally:
+        link.close()
+
+
 def test_planner_stores_prompt_blocks_only_and_honours_max_offload_tokens(link):
     planner = planner_for(link)
     hashes = chain_hashes("limits", 8)

@@ -73,6 +73,11 @@ class SessionState:
     _mapping: PoolMapping | None = None
     _mapped_pool_id: str = ""
 
+    @property
+    def max_batch_blocks(self) -> int:
+        """The most block hashes the daemon takes in one call (its default before a session)."""
+        return self.limits.max_batch_blocks if self.limits is not None and self.limits.max_batch_blocks else 4096
+
     def pool(self) -> PoolMapping:
         if self.pool_info is None:
             raise ConnectionError("no session: connect first")
@@ -120,21 +125,51 @@ def lookup(state: SessionState, ns: Namespace, hashes, pin: bool = False) -> Op:
 
 
 def lookup_batch(state: SessionState, ns: Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False) -> Op:
-    """Independent prefix lookups in one call; one LookupResult per query."""
-    request = pb.LookupBatchRequest(
-        session_id=state.session_id, namespace=ns.id, queries=[join_hashes(q) for q in queries], pin=pin
-    )
-    response = yield "LookupBatch", request
-    return [_lookup_result(r, ns) for r in response.results]
+    """Independent prefix lookups; one LookupResult per query. As few calls as the daemon's
+    max_batch_blocks (hashes in all a call) allows, each query cut to that many hashes (its hit is
+    then at most that many blocks)."""
+    limit = state.max_batch_blocks
+    cut = [join_hashes(q)[: limit * ns.hash_bytes] for q in queries]
+    results: list[LookupResult] = []
+    start = 0
+    while start < len(cut):
+        end, hashes = start, 0
+        while end < len(cut) and end - start < limit and hashes + len(cut[end]) // ns.hash_bytes <= limit:
+            hashes += len(cut[end]) // ns.hash_bytes
+            end += 1
+        request = pb.LookupBatchRequest(session_id=state.session_id, namespace=ns.id, queries=cut[start:end], pin=pin)
+        response = yield "LookupBatch", request
+        results.extend(_lookup_result(r, ns) for r in response.results)
+        start = end
+    return results
 
 
 def release(state: SessionState, *lease_ids: int) -> Op:
     yield "Release", pb.ReleaseRequest(session_id=state.session_id, more_lease_ids=lease_ids)
 
 
+def split_hashes(state: SessionState, ns: Namespace, hashes) -> list[bytes]:
+    """`hashes` in runs of at most the daemon's max_batch_blocks (a call over it is refused)."""
+    joined, step = join_hashes(hashes), state.max_batch_blocks * ns.hash_bytes
+    return [joined[i : i + step] for i in range(0, len(joined), step)] or [b""]
+
+
 def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, transport: str = "shm") -> Op:
     """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy). The prefix ends
-    before the first block whose bytes do not match their stored checksum (a corrupt block is a miss)."""
+    before the first block whose bytes do not match their stored checksum (a corrupt block is a miss).
+    Many hashes go in several calls (max_batch_blocks), the next only if the one before loaded all."""
+    if lease_id:
+        return (yield from _load(state, ns, b"", lease_id, transport))
+    loaded = []
+    for run in split_hashes(state, ns, hashes):
+        blocks = yield from _load(state, ns, run, 0, transport)
+        loaded.append(blocks)
+        if len(blocks) < len(run) // ns.hash_bytes:
+            break
+    return np.concatenate(loaded) if len(loaded) > 1 else loaded[0]
+
+
+def _load(state: SessionState, ns: Namespace, hashes: bytes, lease_id: int, transport: str) -> Op:
     request = pb.LoadRequest(
         session_id=state.session_id,
         namespace=ns.id,
@@ -155,10 +190,10 @@ def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, tran
     return blocks[: verified_prefix(blocks, checksum.decode(response.checksums))]
 
 
-def load_cuda(  # noqa: PLR0913
+def _load_cuda(  # noqa: PLR0913
     state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
 ) -> Op:
-    """The daemon copies the leading present blocks into the engine's GPU blocks `device_block_ids`
+    """One Load call: the daemon copies the leading present blocks into the engine's GPU blocks `device_block_ids`
     (in order) and checks them; returns how many. A checksum failure raises grpc DATA_LOSS; a copy
     that could not end by `deadline_ns` (CLOCK_MONOTONIC, 0: none) is not started (DEADLINE_EXCEEDED)."""
     target = pb.CudaIpcTarget(registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns)
@@ -174,6 +209,23 @@ def load_cuda(  # noqa: PLR0913
     return response.block_count
 
 
+def load_cuda(  # noqa: PLR0913
+    state: SessionState, ns: Namespace, device_block_ids: Sequence[int], hashes=b"", lease_id: int = 0, deadline_ns: int = 0
+) -> Op:
+    """_load_cuda in calls of at most max_batch_blocks blocks, the next only if the one before
+    loaded all (a lease is loaded in one call); how many blocks were loaded."""
+    if lease_id:
+        return (yield from _load_cuda(state, ns, device_block_ids, b"", lease_id, deadline_ns))
+    loaded, limit = 0, state.max_batch_blocks
+    for index, run in enumerate(split_hashes(state, ns, hashes)):
+        targets = device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
+        count = yield from _load_cuda(state, ns, targets, run, 0, deadline_ns)
+        loaded += count
+        if count < len(targets):
+            break
+    return loaded
+
+
 def store_cuda(  # noqa: PLR0913
     state: SessionState,
     ns: Namespace,
@@ -182,7 +234,23 @@ def store_cuda(  # noqa: PLR0913
     ready_event: int,
     deadline_ns: int = 0,
 ) -> Op:
-    """The daemon copies the engine's GPU blocks into the pool (once the engine's ready event
+    """_store_cuda in calls of at most max_batch_blocks blocks; how many were newly committed."""
+    committed, limit = 0, state.max_batch_blocks
+    for index, run in enumerate(split_hashes(state, ns, hashes)):
+        targets = device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
+        committed += yield from _store_cuda(state, ns, run, targets, ready_event, deadline_ns)
+    return committed
+
+
+def _store_cuda(  # noqa: PLR0913
+    state: SessionState,
+    ns: Namespace,
+    hashes: Sequence[bytes],
+    device_block_ids: Sequence[int],
+    ready_event: int,
+    deadline_ns: int = 0,
+) -> Op:
+    """One Reserve call: the daemon copies the engine's GPU blocks into the pool (once the engine's ready event
     `ready_event`, an index into its ring, has completed) and commits them; returns how many were
     newly committed. Nothing is committed from a copy seen ending after `deadline_ns`
     (DEADLINE_EXCEEDED)."""
@@ -223,9 +291,17 @@ def abort(state: SessionState, reservation_id: int) -> Op:
 
 
 def store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np.ndarray, transport: str = "shm") -> Op:
-    """Store blocks `data` [n, block_bytes] under `hashes`; returns how many were newly committed."""
+    """Store blocks `data` [n, block_bytes] under `hashes`; returns how many were newly committed.
+    Many blocks go in several reservations of at most max_batch_blocks."""
     if data.shape != (len(hashes), ns.block_bytes):
         raise ValueError(f"data shape {data.shape} does not match {len(hashes)} blocks of {ns.block_bytes} bytes")
+    committed, limit = 0, state.max_batch_blocks
+    for start in range(0, len(hashes), limit):
+        committed += yield from _store(state, ns, hashes[start : start + limit], data[start : start + limit], transport)
+    return committed
+
+
+def _store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np.ndarray, transport: str) -> Op:
     reservation = yield from reserve(state, ns, hashes)
     if not reservation.id:
         return 0

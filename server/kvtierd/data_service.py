@@ -151,6 +151,10 @@ class DataService(pb_grpc.KVTierServicer):
         if len(request.queries) > self.limits.max_batch_blocks:
             raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
         queries = [self.store.split_hashes(ns, query) for query in request.queries]  # all checked before any pin
+        if sum(map(len, queries)) > self.limits.max_batch_blocks:  # (the index work of one call is bounded)
+            raise InvalidArgument(
+                f"{sum(map(len, queries))} hashes in all exceed the limit of {self.limits.max_batch_blocks} per call"
+            )
         if self.fs is not None and request.pin:  # promotions of different queries run in parallel
             lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in queries]
             try:

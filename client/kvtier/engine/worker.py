@@ -384,16 +384,23 @@ def _reserve_write_commit(
     client: KVTierClient, ns: Namespace, hashes: list[bytes], write: Callable[[Reservation], np.ndarray]
 ) -> int:
     """Reserve `hashes`, let `write` fill the reserved blocks (returning their checksums), commit;
-    abort if the write fails. Returns how many blocks were committed."""
-    reservation = client.reserve(ns, hashes)
-    if not reservation.id:
-        return 0
-    try:
-        sums = write(reservation)
-    except BaseException:
-        client.abort(reservation.id)
-        raise
-    return client.commit(reservation.id, checksums=sums)
+    abort if the write fails. Returns how many blocks were committed. Many hashes go in runs of at
+    most the daemon's max_batch_blocks, one reservation each; the Reservation `write` gets has a
+    status for each of `hashes` (those outside its run PRESENT), so its reserved_indices index them."""
+    committed, limit = 0, client.state.max_batch_blocks
+    for start in range(0, len(hashes), limit):
+        run = client.reserve(ns, hashes[start : start + limit])
+        if not run.id:
+            continue
+        statuses = np.full(len(hashes), pb.BLOCK_STATUS_PRESENT, dtype=np.uint8)
+        statuses[start : start + len(run.statuses)] = run.statuses
+        try:
+            sums = write(Reservation(run.id, statuses, run.page_ids))
+        except BaseException:
+            client.abort(run.id)
+            raise
+        committed += client.commit(run.id, checksums=sums)
+    return committed
 
 
 def _failed_future(reason: str) -> Future:
