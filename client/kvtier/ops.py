@@ -216,9 +216,8 @@ def load_cuda(  # noqa: PLR0913
     loaded all (a lease is loaded in one call); how many blocks were loaded."""
     if lease_id:
         return (yield from _load_cuda(state, ns, device_block_ids, b"", lease_id, deadline_ns))
-    loaded, limit = 0, state.max_batch_blocks
-    for index, run in enumerate(split_hashes(state, ns, hashes)):
-        targets = device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
+    loaded = 0
+    for run, targets in _device_runs(state, ns, hashes, device_block_ids):
         count = yield from _load_cuda(state, ns, targets, run, 0, deadline_ns)
         loaded += count
         if count < len(targets):
@@ -235,11 +234,17 @@ def store_cuda(  # noqa: PLR0913
     deadline_ns: int = 0,
 ) -> Op:
     """_store_cuda in calls of at most max_batch_blocks blocks; how many were newly committed."""
-    committed, limit = 0, state.max_batch_blocks
-    for index, run in enumerate(split_hashes(state, ns, hashes)):
-        targets = device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
+    committed = 0
+    for run, targets in _device_runs(state, ns, hashes, device_block_ids):
         committed += yield from _store_cuda(state, ns, run, targets, ready_event, deadline_ns)
     return committed
+
+
+def _device_runs(state: SessionState, ns: Namespace, hashes, device_block_ids: Sequence[int]):
+    """(hashes, device block ids) in runs of at most max_batch_blocks."""
+    limit = state.max_batch_blocks
+    for index, run in enumerate(split_hashes(state, ns, hashes)):
+        yield run, device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
 
 
 def _store_cuda(  # noqa: PLR0913
