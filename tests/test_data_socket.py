@@ -160,6 +160,30 @@ async def _closed(server: DataSocketServer) -> None:
     await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
 
 
+def test_a_lease_the_client_named_is_kept_when_the_answer_naming_it_is_lost(start_daemon):
+    """A shm Load by a lease the client holds (from its pinned Lookup): should its answer be lost,
+    the lease stays the client's to release (it may be reading the pages it was given)."""
+    daemon = start_daemon("--pool-size", "64MiB", "--lease-ttl", "120")
+    path = daemon.socket.with_name(daemon.socket.name + ".data")
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.store(ns, hashes, np.zeros((3, BLOCK), dtype=np.uint8)) == 3
+        lease = client.lookup(ns, hashes, pin=True).lease_id
+        request = pb.LoadRequest(
+            session_id=client.state.session_id, namespace=ns.id, lease_id=lease, transport=pb.TRANSPORT_SHM
+        ).SerializeToString()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(path))
+            connection.sendall(REQUEST_HEADER.pack(len(request), len("Load")) + b"Load" + request)
+        deadline = time.monotonic() + 10
+        while "answer undelivered" not in daemon.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "answer undelivered" in daemon.log() and daemon.admin("GetStats").pinned_blocks == 3
+        client.release(lease)  # still the client's
+        assert daemon.admin("GetStats").pinned_blocks == 0
+
+
 @pytest.mark.parametrize("call", ["Lookup", "LookupBatch", "Load", "Reserve"])
 def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call):
     """A call whose client closed the connection before the answer came: the lease or reservation

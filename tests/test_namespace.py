@@ -54,6 +54,14 @@ def test_every_spec_field_is_in_the_digest():
         assert namespace_digest(changed) != namespace_digest(base), field.name
 
 
+def test_specs_without_the_later_fields_keep_their_ids():
+    """Ids of specs that leave out fields added later (pp_size, pp_rank) are what they were before
+    those fields existed (computed with the code of 905e075): the fs tier's directories of an
+    upgraded daemon stay valid."""
+    assert namespace_digest(spec()) == "7898bd2ab4b551c183e0624758e79a4b"
+    assert namespace_digest(spec(tp_size=2, tp_rank=1, extra={"a": "b"})) == "994715081b488b6761259441013f8daf"
+
+
 def test_format_version_changes_the_digest(monkeypatch):
     import kvtierd.namespace as namespace
 

@@ -258,7 +258,9 @@ class DataService(pb_grpc.KVTierServicer):
             response = pb.LoadResponse(
                 block_count=len(lease.blocks), lease_id=lease.id, page_ids=lease.page_ids, checksums=self._checksums(lease)
             )
-            response = self._sendable(response, partial(self.store.release, session.id, lease.id), context)
+            made_here = not request.lease_id  # (a lease the client named is the client's to release)
+            let_go = partial(self.store.release, session.id, lease.id) if made_here else _nothing
+            response = self._sendable(response, let_go, context)
         elif registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
             response = await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
@@ -455,6 +457,10 @@ class DataService(pb_grpc.KVTierServicer):
         session = self.sessions.get(request.session_id)
         self.store.abort(session.id, request.reservation_id)
         return pb.AbortResponse()
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _drain(request_iterator) -> None:

@@ -15,8 +15,17 @@ MAX_HASH_BYTES = 64
 MAX_SPEC_BYTES = 8192  # every namespace's spec goes into GetStats and ListNamespaces answers
 
 
+# Fields added since format version 1 count only when set, so a spec that leaves them out keeps the
+# id it had before they existed (and the fs tier keeps its directory).
+LATER_FIELDS = ("pp_size", "pp_rank")
+
+
 def namespace_digest(spec: pb.NamespaceSpec) -> str:
-    canonical = {"format_version": NAMESPACE_FORMAT_VERSION, "spec": message_to_dict(spec)}
+    fields = message_to_dict(spec)
+    for name in LATER_FIELDS:
+        if not fields[name]:
+            del fields[name]
+    canonical = {"format_version": NAMESPACE_FORMAT_VERSION, "spec": fields}
     encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(encoded).hexdigest()[:32]
 
