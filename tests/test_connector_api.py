@@ -55,7 +55,9 @@ def engine_config(tmp_path, **changes):
         revision=None,
         quantization=changes.pop("quantization", None),
         dtype=torch.bfloat16,
-        hf_config=LlamaConfig(num_hidden_layers=2, rope_scaling=changes.pop("rope_scaling", None)),
+        hf_config=LlamaConfig(num_hidden_layers=2, **changes.pop("loaded_config", {})),
+        hf_overrides=changes.pop("hf_overrides", {}),
+        hf_config_path=None,
     )
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
     for name, value in changes.pop("parallel", {}).items():
@@ -78,11 +80,14 @@ def digest(tmp_path, **changes) -> str:
 
 def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     """The same model path with other weights (another model copied there), a quantized model or
-    overridden rope scaling compute other KV for the same tokens: each is a namespace of its own."""
+    overridden rope scaling compute other KV for the same tokens: each is a namespace of its own.
+    What model code changes in the loaded HF config (in one engine's process, not another's) does
+    not count."""
     base = digest(tmp_path)
     assert digest(tmp_path) == base  # (the same engine configured again: the same namespace)
+    assert digest(tmp_path, loaded_config={"projector_hidden_act": "gelu"}) == base
     assert digest(tmp_path, quantization="fp8") != base
-    assert digest(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0}) != base
+    assert digest(tmp_path, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}) != base
     (tmp_path / "model" / "model.safetensors").write_bytes(b"other weights")
     assert digest(tmp_path) != base
 

@@ -160,18 +160,22 @@ def check_supported(vllm_config, kv_cache_config, spec) -> None:
 
 def model_identity(model_config) -> dict[str, str]:
     """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
-    its HF config as loaded (overrides such as rope scaling applied), and for a local directory its
-    files' names, sizes and mtimes (another model copied under the same path is another namespace)."""
-    hf_config = getattr(model_config, "hf_config", None)
-    config_json = json.dumps(hf_config.to_dict(), sort_keys=True, default=str) if hf_config is not None else ""
+    its hf_overrides (rope scaling, ...), and for a local model (and config) directory its files'
+    names, sizes and mtimes (another model copied under the same path is another namespace). Not
+    the loaded HF config: model code may change it while the engine loads the model, in this
+    process or in a worker's, so engines that should share would not."""
+    overrides = getattr(model_config, "hf_overrides", None) or {}
+    if callable(overrides):
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
     identity = {
         "revision": str(model_config.revision or ""),
         "quantization": str(getattr(model_config, "quantization", None) or ""),
         "dtype": str(getattr(model_config, "dtype", "")),
-        "hf_config": hashlib.sha256(config_json.encode()).hexdigest(),
+        "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
     }
-    if os.path.isdir(str(model_config.model)):
-        identity["files"] = files_fingerprint(Path(str(model_config.model)))
+    for key, path in (("files", model_config.model), ("config_files", getattr(model_config, "hf_config_path", None))):
+        if path and os.path.isdir(str(path)):
+            identity[key] = files_fingerprint(Path(str(path)))
     return identity
 
 
