@@ -91,7 +91,11 @@ def well_formed_cache() -> pb.CudaKVCache:
     """What an engine with 4 blocks of 4 KiB in one 1 MiB allocation sends (the handles made up)."""
     cache = pb.CudaKVCache(
         device_uuid="GPU-0",
-        allocations=[pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_offset=9)],
+        allocations=[
+            pb.CudaAllocation(
+                ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_handle=b"/torch_1234_5678_0", ref_counter_offset=9
+            )
+        ],
         num_blocks=4,
         ready_events=[b"e" * 64],
     )
@@ -108,6 +112,20 @@ MALFORMED = {
     "an allocation in the exabytes": (lambda c: setattr(c.allocations[0], "size_bytes", 1 << 63), "must be below"),
     "a run beyond its allocation": (lambda c: setattr(c.runs[0], "block_stride", 1 << 20), "beyond its allocation"),
     "a run in a missing allocation": (lambda c: setattr(c.runs[0], "allocation", 1), "names allocation"),
+    # an allocation 4 bytes off: every word the kernel moves misaligned, a fault for every engine on the GPU
+    "a misaligned allocation": (lambda c: setattr(c.allocations[0], "offset", 4), "multiples of 8"),
+    "a short IPC handle": (lambda c: setattr(c.allocations[0], "ipc_handle", b"x"), "64 bytes"),
+    "a short event handle": (lambda c: setattr(c.allocations[0], "event_handle", b"e"), "64 bytes"),
+    # another shm file (the pool's, say) as the ref counter, which torch would change and unlink
+    "a ref counter that is not torch's": (
+        lambda c: setattr(c.allocations[0], "ref_counter_handle", b"/kvtierd-x.pool"),
+        "torch ref",
+    ),
+    "overlapping blocks": (lambda c: setattr(c.runs[0], "block_stride", 2048), "overlap"),
+    "too many runs": (
+        lambda c: [c.runs.add(allocation=0, offset=8 * i, block_stride=4096, size_bytes=8) for i in range(1025)],
+        "at most 1024",
+    ),
 }
 
 
@@ -348,6 +366,41 @@ def test_a_store_whose_blocks_are_not_ready_by_its_deadline_is_not_copied(start_
         assert outside.value.code() == grpc.StatusCode.INVALID_ARGUMENT, outside.value.details()
         torch.cuda.synchronize()
         assert client.store_cuda(ns, hashes, list(range(8)), kv.record_ready()) == 8  # ready in time: committed
+
+
+@gpu
+def test_a_store_without_a_deadline_waits_for_its_forward_no_longer_than_the_lease_ttl(start_daemon):
+    """deadline_ns 0: the reservation would otherwise wait for a forward that never ends, its pages
+    held (it neither expires nor can be aborted while its copy waits)."""
+    from kvtier import ops  # noqa: PLC0415
+
+    daemon = start_daemon("--pool-size", "256MiB", "--lease-ttl", "0.5")
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        hashes = block_hashes(9, 4)
+        torch.cuda._sleep(6_000_000_000)  # a forward of about 3 s
+        ready = kv.record_ready()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as late:
+            client._run(ops._store_cuda(client.state, ns, hashes, list(range(4)), ready, 0), timeout=30)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value.details()
+        assert time.monotonic() - started < 2.0 and daemon.admin("GetStats").reserved_bytes == 0
+        torch.cuda.synchronize()
+
+
+@gpu
+def test_a_load_naming_one_device_block_twice_is_refused_and_drops_nothing(start_daemon):
+    """Two copies into one engine block would fail its check in place: the good pool block would be
+    dropped as corrupt for every engine."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client)
+        hashes = block_hashes(10, 4)
+        assert client.store_cuda(ns, hashes, list(range(4)), kv.record_ready()) == 4
+        with pytest.raises(grpc.RpcError) as refused:
+            client.load_cuda(ns, [10, 11, 11, 12], hashes)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "distinct" in refused.value.details()
+        assert client.load_cuda(ns, [10, 11, 12, 13], hashes) == 4
 
 
 @gpu

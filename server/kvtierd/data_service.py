@@ -285,7 +285,7 @@ class DataService(pb_grpc.KVTierServicer):
             if len(target.device_block_ids) < count:
                 raise InvalidArgument(f"{len(target.device_block_ids)} device block ids for {count} blocks to load")
             targets = np.asarray(target.device_block_ids[:count], dtype=np.int64)
-            registration.check_blocks(targets)
+            registration.check_blocks(targets, distinct=True)
             pages = decode_page_ids(lease.page_ids, ns.pages_per_block)
             expected = response = None
 
@@ -399,7 +399,8 @@ class DataService(pb_grpc.KVTierServicer):
         if reservation is None:
             return response
         chosen = device_blocks[result.statuses == pb.BLOCK_STATUS_RESERVED]
-        deadline_ns = request.cuda_ipc.deadline_ns
+        # none given: --lease-ttl (its reservation must not wait forever for a forward that never ends)
+        deadline_ns = request.cuda_ipc.deadline_ns or time.monotonic_ns() + self.limits.lease_ttl_ms * 1_000_000
         try:
             with self.metrics.cuda_copy_seconds.labels("store").time(), self.store.in_use(reservation):
                 pages = decode_page_ids(reservation.page_ids, ns.pages_per_block)

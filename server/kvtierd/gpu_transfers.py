@@ -36,6 +36,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.copy_plan import LaunchFailed, Run, SegmentTemplate
+from kvtier.copy_plan import WORD, LaunchFailed, Run, SegmentTemplate
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
@@ -57,6 +58,9 @@ SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU
 READY_SPIN_S = 0.0002  # a store's ready event is checked on every turn of the loop this long, then every SLOW_POLL_S
 MAX_READY_EVENTS = 256  # bound on an engine's ring of ready events
 MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
+MAX_RUNS = 1024  # bound on a block's runs (vLLM: one or two per layer); each is a copy segment or more
+IPC_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t / cudaIpcEventHandle_t: torch reads this many, whatever it is given
+REF_COUNTER_NAME = re.compile(r"/torch_[0-9]+_[0-9]+(_[0-9]+)?")  # torch's shared-memory ref counter files
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
 MAX_ENGINE_CLOCK_AHEAD_NS = 1_000_000_000  # an engine clock further ahead of ours makes its deadlines late
 MAX_ENGINE_CLOCK_BEHIND_NS = 5_000_000_000  # one further behind (beyond a Register's transit): its copies refused
@@ -76,9 +80,13 @@ class CudaRegistration:
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def check_blocks(self, block_ids: np.ndarray) -> None:
+    def check_blocks(self, block_ids: np.ndarray, distinct: bool = False) -> None:
+        """In range; `distinct` for a load (two copies into one block would fail its check in place,
+        and the good pool block be dropped as corrupt)."""
         if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise InvalidArgument(f"device block ids must be in [0, {self.num_blocks})")
+        if distinct and len(block_ids) > 1 and len(np.unique(block_ids)) != len(block_ids):
+            raise InvalidArgument("a load's device block ids must be distinct")
 
     def ready_event(self, index: int):
         """The ring's event `index` (a store names the one recorded after the forward it follows)."""
@@ -366,22 +374,34 @@ def _cuda_torch():
 
 def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
     """The cache's runs, once every number in it is in bounds: runs within their allocations, adding
-    up to the namespace's block, and each allocation's ref counter slot within torch's file."""
+    up to the namespace's block, blocks of a run not overlapping; each allocation 8-byte aligned
+    (the kernel moves aligned words: a misaligned one faults our CUDA context, for every engine)
+    with whole IPC handles and a ref counter slot within a torch ref counter file."""
     if not cache.allocations or not cache.runs or cache.num_blocks == 0:
         raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
+    if len(cache.runs) > MAX_RUNS:
+        raise InvalidArgument(f"cuda_kv has {len(cache.runs)} runs per block; at most {MAX_RUNS}")
     if not cache.ready_events or len(cache.ready_events) > MAX_READY_EVENTS:
         raise InvalidArgument(f"cuda_kv needs the engine's ring of 1 to {MAX_READY_EVENTS} ready events (stores wait on them)")
     for allocation in cache.allocations:
         if max(allocation.size_bytes, allocation.offset) >= MAX_FIELD:
             raise InvalidArgument(f"allocation sizes and offsets must be below {MAX_FIELD}")
+        if allocation.offset % WORD:
+            raise InvalidArgument(f"allocation offsets must be multiples of {WORD}")
+        if len(allocation.ipc_handle) < IPC_HANDLE_BYTES or 0 < len(allocation.event_handle) < IPC_HANDLE_BYTES:
+            raise InvalidArgument(f"IPC handles must hold {IPC_HANDLE_BYTES} bytes")
         if allocation.ref_counter_offset >= REF_COUNTER_SLOTS:
             raise InvalidArgument(f"ref_counter_offset must be below {REF_COUNTER_SLOTS}")
+        if not REF_COUNTER_NAME.fullmatch(allocation.ref_counter_handle.decode(errors="replace")):
+            raise InvalidArgument("ref_counter_handle must name a torch ref counter file (/torch_<pid>_<n>...)")
     runs = [Run(r.allocation, r.offset, r.block_stride, r.size_bytes) for r in cache.runs]
     if any(max(r.offset, r.block_stride, r.size) >= MAX_FIELD for r in runs):
         raise InvalidArgument(f"run offsets, strides and sizes must be below {MAX_FIELD}")
     if sum(r.size for r in runs) != block_bytes:
         raise InvalidArgument(f"cuda_kv runs hold {sum(r.size for r in runs)} bytes per block; the namespace says {block_bytes}")
     for run in runs:
+        if cache.num_blocks > 1 and run.block_stride < run.size:
+            raise InvalidArgument(f"run {run}: its blocks overlap (stride below size)")
         if run.allocation >= len(cache.allocations):
             raise InvalidArgument(f"run {run} names allocation {run.allocation} of {len(cache.allocations)}")
         end = run.offset + (cache.num_blocks - 1) * run.block_stride + run.size
@@ -455,6 +475,6 @@ def _open_storage(torch, device_index: int, allocation: pb.CudaAllocation):
         allocation.offset,
         allocation.ref_counter_handle,
         allocation.ref_counter_offset,
-        allocation.event_handle or None,
-        allocation.event_sync_required,
+        None,  # no IPC event: torch would make our stream wait for the engine's (blocking the event loop
+        False,  # on a hung engine) and never close it; our copies order themselves (ready events)
     )
