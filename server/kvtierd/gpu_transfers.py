@@ -468,6 +468,9 @@ def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, 
 
 
 def _open_storage(torch, device_index: int, allocation: pb.CudaAllocation):
+    """The engine's storage, its IPC event not opened (event_sync_required False): torch would make
+    our stream wait for the engine's, blocking the event loop on a hung engine, and never close the
+    event. Our copies order themselves by the engine's ready events."""
     return torch.UntypedStorage._new_shared_cuda(
         device_index,
         allocation.ipc_handle,
@@ -475,6 +478,6 @@ def _open_storage(torch, device_index: int, allocation: pb.CudaAllocation):
         allocation.offset,
         allocation.ref_counter_handle,
         allocation.ref_counter_offset,
-        None,  # no IPC event: torch would make our stream wait for the engine's (blocking the event loop
-        False,  # on a hung engine) and never close it; our copies order themselves (ready events)
+        allocation.event_handle,
+        False,
     )

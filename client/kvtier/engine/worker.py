@@ -214,25 +214,35 @@ class BlockTransfers:
         return call.run(lambda deadline_ns: self._load_from_pool(client, ns, job, deadline_ns), daemon_copies=False)
 
     def _load_from_pool(self, client: KVTierClient, ns: Namespace, job: LoadJob, deadline_ns: int) -> int | _Pinned:
-        """Pin the blocks; a GPU cache copies them here, a CPU cache on the engine's thread. Nothing is
-        copied or handed on past the deadline (by its grace after it the load is given up, and its
-        blocks may be reused)."""
+        """Pin the blocks; a GPU cache copies them here (in runs of at most the daemon's
+        max_batch_blocks), a CPU cache on the engine's thread. Nothing is copied or handed on past
+        the deadline (by its grace after it the load is given up, and its blocks may be reused)."""
+        if self._gpu_kv is not None:
+            limit = client.state.max_batch_blocks
+            for start in range(0, len(job.hashes), limit):
+                end = start + limit
+                self._copy_from_pool(client, ns, job.hashes[start:end], job.block_ids[start:end], deadline_ns)
+            return len(job.block_ids) * ns.block_bytes
         result = client.lookup(ns, job.hashes, pin=True)
-        past_deadline = time.monotonic_ns() >= deadline_ns
-        if result.hit_count == len(job.hashes) and self._gpu_kv is None and not past_deadline:
+        if result.hit_count == len(job.hashes) and time.monotonic_ns() < deadline_ns:
             return _Pinned(result, client.state.pool().view, client)  # released once the engine thread copied
+        if result.lease_id:
+            client.release(result.lease_id)
+        raise _unusable(result, job.hashes)
+
+    def _copy_from_pool(
+        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], deadline_ns: int
+    ) -> None:
+        result = client.lookup(ns, hashes, pin=True)
         try:
-            if result.hit_count < len(job.hashes):
-                raise LoadFailed(f"{len(job.hashes) - result.hit_count} of {len(job.hashes)} blocks gone since lookup")
-            if past_deadline:
-                raise PastDeadline("not copied: the load's deadline passed")
-            copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, job.block_ids)
+            if result.hit_count < len(hashes) or time.monotonic_ns() >= deadline_ns:
+                raise _unusable(result, hashes)
+            copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, block_ids)
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
         if checksum.mismatched(copied, result.checksums).any():
             raise LoadFailed("a block failed its checksum")
-        return len(job.block_ids) * ns.block_bytes
 
     def _copy_pinned(self, job: LoadJob, pinned: _Pinned) -> int:
         """On the engine's thread, between steps: copy pinned pool blocks into the engine's blocks."""
@@ -401,6 +411,13 @@ def _reserve_write_commit(
             raise
         committed += client.commit(run.id, checksums=sums)
     return committed
+
+
+def _unusable(result: LookupResult, hashes: list[bytes]) -> Exception:
+    """Why pinned blocks are not copied: some gone since the lookup, or else the deadline passed."""
+    if result.hit_count < len(hashes):
+        return LoadFailed(f"{len(hashes) - result.hit_count} of {len(hashes)} blocks gone since lookup")
+    return PastDeadline("not copied: the load's deadline passed")
 
 
 def _failed_future(reason: str) -> Future:
