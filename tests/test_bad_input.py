@@ -84,11 +84,11 @@ def test_bad_inputs(env):
         (grpc.StatusCode.INVALID_ARGUMENT, "transport", lambda: call(owner, "Load", namespace=ns.id, hashes=h[0])),
         # release of an unknown lease
         (grpc.StatusCode.NOT_FOUND, "lease", lambda: call(owner, "Release", lease_id=424242)),
-        # more hashes in all the queries of a batch than the limit
+        # more hashes in all the queries of a batch than 16 times the limit
         (
             grpc.StatusCode.INVALID_ARGUMENT,
-            "in all exceed",
-            lambda: call(owner, "LookupBatch", namespace=ns.id, queries=[b"h" * 32 * 40] * 2),
+            "1088 hashes in all exceed the limit of 1024",
+            lambda: call(owner, "LookupBatch", namespace=ns.id, queries=[b"h" * 32 * 64] * 17),
         ),
         # more leases in one release than the batch limit (each unknown one is a refusal to build)
         (grpc.StatusCode.INVALID_ARGUMENT, "exceed", lambda: call(owner, "Release", more_lease_ids=[424242] * 65)),

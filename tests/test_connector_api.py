@@ -57,7 +57,7 @@ def engine_config(tmp_path, **changes):
         dtype=torch.bfloat16,
         hf_config=LlamaConfig(num_hidden_layers=2, **changes.pop("loaded_config", {})),
         hf_overrides=changes.pop("hf_overrides", {}),
-        hf_config_path=None,
+        hf_config_path=changes.pop("hf_config_path", None),
     )
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
     for name, value in changes.pop("parallel", {}).items():
@@ -88,6 +88,9 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path, loaded_config={"projector_hidden_act": "gelu"}) == base
     assert digest(tmp_path, quantization="fp8") != base
     assert digest(tmp_path, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}) != base
+    assert digest(tmp_path, hf_config_path="org/other-config") != base  # (a hub config: by its name)
+    theta = [lambda config: setattr(config, "rope_theta", 1e4), lambda config: setattr(config, "rope_theta", 5e5)]
+    assert digest(tmp_path, hf_overrides=theta[0]) != digest(tmp_path, hf_overrides=theta[1])
     (tmp_path / "model" / "model.safetensors").write_bytes(b"other weights")
     assert digest(tmp_path) != base
 

@@ -202,6 +202,11 @@ def test_calls_stay_within_the_daemons_batch_limit(start_daemon):
         hits = {req_id: planner.matched_tokens(req_id, prefix, tokens, 0, None) for req_id, (prefix, tokens) in prompts.items()}
         assert hits == {"long": (8 * BLOCK_TOKENS, True), "short": (6 * BLOCK_TOKENS, True), "other": (3 * BLOCK_TOKENS, True)}
         assert "request refused" not in daemon.log()
+        client = link.submit(lambda client, _: client).result()
+        ns = link.submit(lambda _, ns: ns).result()
+        with pytest.raises(ValueError, match="pinned lookup_batch"):  # (sent as two calls, a failing second
+            client.lookup_batch(ns, [hashes] * 9, pin=True)  # would leave the first's leases unknown)
+        assert [r.hit_count for r in client.lookup_batch(ns, [hashes] * 8, pin=True)] == [8] * 8
     finally:
         link.close()
 

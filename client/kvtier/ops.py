@@ -16,6 +16,7 @@ from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
 Op = Generator[tuple[str, object], object, object]
+BATCH_QUERIES_FACTOR = 16  # a LookupBatch holds up to this many times max_batch_blocks hashes in all
 
 TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "inline": pb.TRANSPORT_INLINE}
 
@@ -125,22 +126,30 @@ def lookup(state: SessionState, ns: Namespace, hashes, pin: bool = False) -> Op:
 
 
 def lookup_batch(state: SessionState, ns: Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False) -> Op:
-    """Independent prefix lookups; one LookupResult per query. As few calls as the daemon's
-    max_batch_blocks (hashes in all a call) allows, each query cut to that many hashes (its hit is
-    then at most that many blocks)."""
+    """Independent prefix lookups; one LookupResult per query, each query cut to the daemon's
+    max_batch_blocks hashes (its hit is then at most that many blocks). Unpinned, in as few calls
+    of max_batch_blocks hashes in all as that takes; pinned, in one call of up to
+    BATCH_QUERIES_FACTOR times that (it pins all its queries or none: a later call failing would
+    leave the earlier calls' leases unknown to the caller)."""
     limit = state.max_batch_blocks
     cut = [join_hashes(q)[: limit * ns.hash_bytes] for q in queries]
+    per_call = BATCH_QUERIES_FACTOR * limit if pin else limit
+    batches: list[list[bytes]] = [[]]
+    hashes = 0
+    for query in cut:
+        count = len(query) // ns.hash_bytes
+        if len(batches[-1]) == limit or hashes + count > per_call:
+            batches.append([])
+            hashes = 0
+        batches[-1].append(query)
+        hashes += count
+    if pin and len(batches) > 1:
+        raise ValueError(f"a pinned lookup_batch takes at most {limit} queries and {per_call} hashes in all")
     results: list[LookupResult] = []
-    start = 0
-    while start < len(cut):
-        end, hashes = start, 0
-        while end < len(cut) and end - start < limit and hashes + len(cut[end]) // ns.hash_bytes <= limit:
-            hashes += len(cut[end]) // ns.hash_bytes
-            end += 1
-        request = pb.LookupBatchRequest(session_id=state.session_id, namespace=ns.id, queries=cut[start:end], pin=pin)
+    for batch in batches:
+        request = pb.LookupBatchRequest(session_id=state.session_id, namespace=ns.id, queries=batch, pin=pin)
         response = yield "LookupBatch", request
         results.extend(_lookup_result(r, ns) for r in response.results)
-        start = end
     return results
 
 

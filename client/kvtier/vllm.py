@@ -160,23 +160,36 @@ def check_supported(vllm_config, kv_cache_config, spec) -> None:
 
 def model_identity(model_config) -> dict[str, str]:
     """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
-    its hf_overrides (rope scaling, ...), and for a local model (and config) directory its files'
-    names, sizes and mtimes (another model copied under the same path is another namespace). Not
-    the loaded HF config: model code may change it while the engine loads the model, in this
-    process or in a worker's, so engines that should share would not."""
+    where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
+    (rope scaling, ...; a function by its code), and for a local model (and config) directory its
+    files' names, sizes and mtimes (another model copied under the same path is another
+    namespace). Not the loaded HF config: model code may change it while the engine loads the
+    model, in this process or only in a worker's, so engines that should share would not."""
     overrides = getattr(model_config, "hf_overrides", None) or {}
     if callable(overrides):
-        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+        code = getattr(overrides, "__code__", None)
+        digest = _code_digest(code) if code is not None else repr(overrides)
+        overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}:{digest}"
+    config_path = getattr(model_config, "hf_config_path", None)
     identity = {
         "revision": str(model_config.revision or ""),
         "quantization": str(getattr(model_config, "quantization", None) or ""),
         "dtype": str(getattr(model_config, "dtype", "")),
         "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
+        "hf_config_path": str(config_path or ""),
+        "config_revision": str(getattr(model_config, "_hf_config_revision", None) or ""),
+        "code_revision": str(getattr(model_config, "code_revision", None) or ""),
     }
-    for key, path in (("files", model_config.model), ("config_files", getattr(model_config, "hf_config_path", None))):
+    for key, path in (("files", model_config.model), ("config_files", config_path)):
         if path and os.path.isdir(str(path)):
             identity[key] = files_fingerprint(Path(str(path)))
     return identity
+
+
+def _code_digest(code) -> str:
+    """A function's bytecode, names and plain constants (the same in every process running it)."""
+    constants = [c for c in code.co_consts if not hasattr(c, "co_code")]
+    return hashlib.sha256(code.co_code + repr((constants, code.co_names)).encode()).hexdigest()
 
 
 def files_fingerprint(directory: Path) -> str:

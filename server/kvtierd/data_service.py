@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 
 from kvtier import checksum
+from kvtier.ops import BATCH_QUERIES_FACTOR
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -151,10 +152,9 @@ class DataService(pb_grpc.KVTierServicer):
         if len(request.queries) > self.limits.max_batch_blocks:
             raise InvalidArgument(f"{len(request.queries)} queries exceed the limit of {self.limits.max_batch_blocks}")
         queries = [self.store.split_hashes(ns, query) for query in request.queries]  # all checked before any pin
-        if sum(map(len, queries)) > self.limits.max_batch_blocks:  # (the index work of one call is bounded)
-            raise InvalidArgument(
-                f"{sum(map(len, queries))} hashes in all exceed the limit of {self.limits.max_batch_blocks} per call"
-            )
+        most = BATCH_QUERIES_FACTOR * self.limits.max_batch_blocks  # (the index work of one call is bounded)
+        if sum(map(len, queries)) > most:
+            raise InvalidArgument(f"{sum(map(len, queries))} hashes in all exceed the limit of {most} per LookupBatch")
         if self.fs is not None and request.pin:  # promotions of different queries run in parallel
             lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in queries]
             try:
