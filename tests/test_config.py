@@ -72,6 +72,7 @@ def test_default_socket_follows_xdg_runtime_dir(monkeypatch, tmp_path):
         (["--store-threshold", "0"], "store_threshold"),
         (["--max-message-size", "64KiB"], "max_message_size must be at least 1 MiB"),
         (["--max-message-size", "2GiB"], "below 2 GiB"),  # (gRPC's limit is an int32: the daemon died at start)
+        (["--socket", "/tmp/a%41.sock"], "gRPC reads it as a URI"),  # (gRPC bound /tmp/aA.sock: another daemon's)
         (["--lease-ttl", "5000000"], "about 49.7 days"),  # (announced in milliseconds, a uint32)
     ],
 )

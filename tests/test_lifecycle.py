@@ -1,12 +1,17 @@
 """Start-up defaults, permissions, metrics, TCP opt-in, stale state and graceful shutdown."""
 
+import fcntl
 import os
+import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from blocks import chain_hashes, contents, spec
@@ -39,11 +44,11 @@ def test_group_shared_pool_mode(start_daemon):
 
 
 def test_a_socket_directory_the_daemon_creates_is_0750(tmp_path):
-    from kvtierd.server import prepare_socket  # noqa: PLC0415
+    from kvtierd.server import own_directory  # noqa: PLC0415
 
     previous = os.umask(0o002)  # (a umask that would let a looser mode through)
     try:
-        prepare_socket(tmp_path / "run" / "kvtierd.sock")
+        own_directory(tmp_path / "run", "socket directory")
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o750
@@ -105,7 +110,7 @@ def test_second_daemon_on_the_same_socket_is_refused(daemon):
         text=True,
         timeout=30,
     )
-    assert result.returncode != 0 and "another daemon is serving" in result.stderr
+    assert result.returncode != 0 and "another daemon is starting or serving" in result.stderr
     assert daemon.admin("GetStats").tiers[0].capacity_bytes == 64 << 20  # the first one is untouched
 
 
@@ -183,3 +188,104 @@ def test_a_pool_larger_than_the_tmpfs_is_refused(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="--shm-size"):
         SharedPool(tmp_path, "kvtierd-test-", 1 << 20, 4096, 0o600)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def shm(tmp_path):
+    """A directory of the test's own under /dev/shm for the pool file."""
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvt-life-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def start_args(tmp_path, shm, *args: str) -> list[str]:
+    """A daemon on tmp_path/k.sock with its pool file in `shm`."""
+    return [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "k.sock"), "--shm-dir", str(shm), *args]
+
+
+def leftovers(tmp_path, shm) -> list[str]:
+    """Pool files and sockets a daemon left (the lock file may stay)."""
+    return sorted(p.name for p in [*shm.iterdir(), *tmp_path.iterdir()] if not p.name.endswith(".lock"))
+
+
+@pytest.mark.parametrize("place", ["--socket directory", "--shm-dir", "--fs-path"])
+def test_a_directory_every_user_may_write_in_is_refused(tmp_path, shm, place):
+    """Another user could swap the daemon's socket, pool file or block files in it for their own
+    (or plant blocks the daemon would serve as genuine)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    args = {
+        "--socket directory": ["--socket", str(shared / "k.sock")],
+        "--shm-dir": ["--shm-dir", str(shared)],
+        "--fs-path": ["--fs-path", str(shared), "--fs-size", "64MiB"],
+    }[place]
+    result = subprocess.run(
+        [*start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "writable by every user; refusing to use it" in result.stderr, result.stderr
+    assert leftovers(tmp_path, shm) == ["shared"] and list(shared.iterdir()) == []  # (no pool file or socket left)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user")
+def test_a_socket_directory_another_user_made_is_refused(tmp_path):
+    """As /tmp/kvtierd-<uid> made in advance by another local user, who could then move the socket away."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtierd", "--socket", str(theirs / "k.sock"), "--pool-size", "16MiB", "--metrics-port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "belongs to another user" in result.stderr, result.stderr
+    assert list(theirs.iterdir()) == []
+
+
+def test_a_daemon_starting_while_another_starts_on_the_socket_exits(tmp_path, shm):
+    """Both would pass the live-socket check before either bound the socket, then take it (and each
+    other's pool file) over: the lock on <socket>.lock lets one in."""
+    held = os.open(tmp_path / "k.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # (the other daemon, still prefaulting its pool)
+    try:
+        result = subprocess.run(
+            start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1"), capture_output=True, text=True, timeout=60
+        )
+    finally:
+        os.close(held)
+    assert result.returncode != 0 and "another daemon is starting or serving" in result.stderr, result.stderr
+    assert leftovers(tmp_path, shm) == []
+
+
+def test_a_start_that_fails_leaves_no_pool_file_or_socket(tmp_path, shm):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", str(port)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode != 0 and f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and leftovers(tmp_path, shm) == []
+
+
+def test_sigterm_while_starting_leaves_no_pool_file(tmp_path, shm):
+    """SIGTERM while a large pool is prefaulted: the daemon exits and takes its pool file with it."""
+    process = subprocess.Popen(
+        start_args(tmp_path, shm, "--pool-size", "3GiB", "--metrics-port", "-1"), stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not any(shm.glob("*.pool")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert any(shm.glob("*.pool")), "the pool file never appeared"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0 and "stopped by signal" in stderr, stderr
+    assert leftovers(tmp_path, shm) == []

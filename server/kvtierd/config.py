@@ -30,6 +30,13 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _parse_socket(text: str) -> Path:
+    """An absolute path; gRPC reads it as a URI, where '%', '?' and '#' would name another file."""
+    if any(c in text for c in "%?#"):
+        raise ValueError(f"{text!r}: a socket path may not hold '%', '?' or '#' (gRPC reads it as a URI)")
+    return Path(text).absolute()
+
+
 def _parse_mode(text: str) -> int:
     return int(str(text), 8)
 
@@ -41,7 +48,7 @@ def _parse_seconds(text: str) -> float:
 
 @dataclass(frozen=True)
 class Config:
-    socket: Path = _option(default_socket_path(), "Unix socket to serve on (created with --socket-mode).", Path)
+    socket: Path = _option(default_socket_path(), "Unix socket to serve on (created with --socket-mode).", _parse_socket)
     socket_mode: int = _option(0o660, "Permissions of the Unix socket (octal).", _parse_mode)
     listen: str = _option("", "Also listen on TCP HOST:PORT (off unless given; no authentication).")
     data_socket: bool = _option(

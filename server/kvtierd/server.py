@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import signal
@@ -54,14 +55,42 @@ class Daemon:
     data: DataService
     fs: FsTier | None
     data_socket: DataSocketServer | None
+    lock: int  # the fd holding <socket>.lock
+
+
+def own_directory(directory: Path, what: str, mode: int = 0o750) -> Path:
+    """Create `directory` (with `mode`) or check the one there: no other user (root aside) may own
+    it, or the link to it, or write in it (unless it is sticky, as /tmp): they could swap the
+    daemon's socket, pool file or block files for their own, or point them elsewhere."""
+    if not directory.exists() and not directory.is_symlink():
+        directory.mkdir(parents=True, mode=mode)
+    ours = (os.geteuid(), 0)
+    link, target = directory.lstat(), directory.stat()
+    if link.st_uid not in ours or target.st_uid not in ours:
+        raise SystemExit(f"kvtierd: {what} {directory} belongs to another user (uid {target.st_uid}); refusing to use it")
+    if not stat.S_ISDIR(target.st_mode):
+        raise SystemExit(f"kvtierd: {what} {directory} is not a directory")
+    if target.st_mode & stat.S_IWOTH and not target.st_mode & stat.S_ISVTX:
+        raise SystemExit(f"kvtierd: {what} {directory} is writable by every user; refusing to use it")
+    return directory
+
+
+def lock_socket(path: Path) -> int:
+    """Hold `<socket>.lock` for the daemon's life: a second daemon starting on the socket at the same
+    time (before either has bound it) exits instead of taking it over."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"kvtierd: another daemon is starting or serving on {path}") from None
+    return fd
 
 
 def prepare_socket(path) -> None:
-    """Create the socket's directory (0750) and refuse to start over a live daemon; remove a stale socket."""
+    """Refuse to start over a live daemon; remove a stale socket."""
     if len(str(path)) > _UNIX_PATH_MAX:
         raise SystemExit(f"kvtierd: socket path is longer than {_UNIX_PATH_MAX} bytes: {path}")
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o750)
     if not path.exists() and not path.is_symlink():
         return
     if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -91,11 +120,26 @@ def data_socket_path(config: Config) -> Path | None:
 
 
 def build(config: Config) -> Daemon:
+    own_directory(config.socket.parent, "socket directory")
+    lock = lock_socket(config.socket)
     prepare_socket(config.socket)
     fast_path = data_socket_path(config)
     if fast_path is not None:
         prepare_socket(fast_path)
+    own_directory(config.shm_dir, "--shm-dir")
     pool = SharedPool(config.shm_dir, pool_file_prefix(config.socket), config.pool_size, config.page_size, config.shm_mode)
+    try:
+        return _build(config, pool, fast_path, lock)
+    except BaseException:  # (a port in use, SIGTERM while prefaulting: no pool file or socket left behind)
+        pool.close()
+        for path in (config.socket, fast_path):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        os.close(lock)
+        raise
+
+
+def _build(config: Config, pool: SharedPool, fast_path: Path | None, lock: int) -> Daemon:
     if config.prefault:
         started = time.perf_counter()
         pool.prefault()
@@ -115,7 +159,10 @@ def build(config: Config) -> Daemon:
     metrics = Metrics(store, sessions, fs)
     metrics_port = -1
     if config.metrics_port >= 0:
-        http_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
+        try:
+            http_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.registry)
+        except OSError as exc:
+            raise SystemExit(f"kvtierd: cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
         metrics_port = http_server.server_port
     limits = pb.Limits(
         max_batch_blocks=config.max_batch_blocks,
@@ -160,11 +207,18 @@ def build(config: Config) -> Daemon:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"unix://{config.socket}")
+    previous_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is born (here) with its final mode
+    try:
+        server.add_insecure_port(f"unix://{config.socket}")
+    finally:
+        os.umask(previous_umask)
     if config.listen:
-        server.add_insecure_port(config.listen)
+        try:
+            server.add_insecure_port(config.listen)
+        except RuntimeError as exc:
+            raise SystemExit(f"kvtierd: cannot listen on {config.listen}: {exc}") from None
     data_socket = DataSocketServer(data, fast_path, config.max_message_size) if fast_path else None
-    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs, data_socket)
+    return Daemon(config, pool, store, sessions, metrics, server, health_servicer, metrics_port, data, fs, data_socket, lock)
 
 
 def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
@@ -179,6 +233,7 @@ def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
         queue_bytes=config.fs_queue_size,
         index_interval=config.fs_index_interval,
     )
+    own_directory(settings.root, "--fs-path")
     fs = FsTier(settings, pool, store)
     for spec in fs.open():
         try:
@@ -198,7 +253,13 @@ async def expire_leases(daemon: Daemon) -> None:
             log.warning("expired holds", extra={"leases": leases, "reservations": reservations})
 
 
+def _stop_starting(signum, frame) -> None:
+    raise SystemExit(f"kvtierd: stopped by signal {signum} while starting")
+
+
 async def serve(config: Config) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):  # (while starting: build cleans up as it unwinds)
+        signal.signal(signum, _stop_starting)
     daemon = build(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -247,4 +308,5 @@ async def serve(config: Config) -> None:
         await daemon.fs.close(SHUTDOWN_GRACE_SECONDS)
     daemon.pool.close()
     config.socket.unlink(missing_ok=True)
+    os.close(daemon.lock)
     log.info("stopped")
