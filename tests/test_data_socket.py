@@ -5,7 +5,9 @@ messages, handlers, statuses and metrics; refused frames never take the daemon d
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
+import signal
 import socket
 import stat
 import struct
@@ -213,3 +215,88 @@ def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call)
         assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0
         assert client.lookup(ns, hashes).hit_count == 3  # the session goes on
     assert re.search(rf"data socket answer undelivered: the client went away method={call}\b", daemon.log())
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_call_cut_off_by_any_exception_leaves_no_answer_for_the_next_call(start_daemon):
+    """A call interrupted by something other than an OSError (a signal handler's exception, Ctrl-C)
+    while the daemon is stopped: its late answer must not be read as the next call's."""
+    daemon = start_daemon("--pool-size", "64MiB")
+    first, second = [bytes([1, i]) * 16 for i in range(3)], [bytes([2, i]) * 16 for i in range(3)]
+    with KVTierClient(daemon.address, timeout=30) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        client.store(ns, first, np.full((3, BLOCK), 0xAA, dtype=np.uint8))
+        client.store(ns, second, np.full((3, BLOCK), 0x55, dtype=np.uint8))
+
+        def interrupt(signum, frame):
+            raise Interrupted
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        daemon.process.send_signal(signal.SIGSTOP)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(Interrupted):
+                client.load(ns, first)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            daemon.process.send_signal(signal.SIGCONT)
+        assert (client.load(ns, second) == 0x55).all()
+
+
+def test_a_daemon_trickling_its_answer_does_not_stretch_the_timeout(tmp_path):
+    """The timeout bounds the whole call, not each read."""
+    path = tmp_path / "slow.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+
+    def trickle():
+        connection, _ = server.accept()
+        with connection:
+            for _ in range(20):  # one byte every 0.2 s: a whole (empty) answer after 1 s
+                connection.sendall(b"\x00")
+                time.sleep(0.2)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    client = DataSocket(path, timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as late:
+        client.call("Lookup", pb.LookupRequest())
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 1.5
+    server.close()
+
+
+def test_connections_of_threads_that_ended_are_closed(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        for _ in range(20):
+            thread = threading.Thread(target=client.lookup, args=(ns, [b"h" * 32]))
+            thread.start()
+            thread.join()
+        gc.collect()
+        assert len(list(client.data_socket._connections)) <= 1  # (this thread's)
+
+
+def test_a_request_over_the_message_limit_is_refused_without_losing_the_session(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB", "--max-message-size", "1MiB")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=256 << 10))
+        session = client.state.session_id
+        data = np.zeros((5, 256 << 10), dtype=np.uint8)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.store(ns, [bytes([i]) * 32 for i in range(5)], data, transport="inline")  # a 1.25 MiB Commit
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.connected and client.state.session_id == session
+        assert client.lookup(ns, [b"h" * 32]).hit_count == 0
+
+
+def test_connecting_a_connected_client_keeps_its_session(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB")
+    with KVTierClient(daemon.address) as client:
+        client.connect()
+        assert len(daemon.admin("ListEngines").engines) == 1

@@ -29,6 +29,9 @@ class AsyncKVTierClient:
         self._watcher: asyncio.Task | None = None
 
     async def connect(self) -> AsyncKVTierClient:
+        """Open a session (a client already in one keeps it)."""
+        if self.connected:
+            return self
         self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
         self.admin = pb_grpc.KVTierAdminStub(self._channel)

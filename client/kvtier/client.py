@@ -69,11 +69,15 @@ class KVTierClient:
         self._admin: pb_grpc.KVTierAdminStub | None = None
         self._outbox: queue.Queue = queue.Queue()
         self._alive = threading.Event()
+        self._alive_lock = threading.Lock()  # (a session ending while connect() finishes stays ended)
         self._data: DataSocket | None = None
 
     # ------------------------------------------------------------------ session
 
     def connect(self) -> KVTierClient:
+        """Open a session (a client already in one keeps it)."""
+        if self.connected:
+            return self
         self._channel = grpc.insecure_channel(self.address, options=channel_options())
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._admin = pb_grpc.KVTierAdminStub(self._channel)
@@ -81,7 +85,8 @@ class KVTierClient:
         self._outbox.put(hello(self.engine_name))
         call = self._stub.Session(iter(self._outbox.get, None), wait_for_ready=False)
         first: queue.Queue = queue.Queue()
-        threading.Thread(target=self._watch, args=(call, first), name="kvtier-session", daemon=True).start()
+        ended = threading.Event()
+        threading.Thread(target=self._watch, args=(call, first, ended), name="kvtier-session", daemon=True).start()
         try:
             event = first.get(timeout=self.timeout)
         except queue.Empty:
@@ -93,7 +98,9 @@ class KVTierClient:
         self.state.pool_info = event.pool
         self.state.limits = event.limits
         self._data = self._open_data_socket(event.data_socket)
-        self._alive.set()
+        with self._alive_lock:
+            if not ended.is_set():
+                self._alive.set()
         return self
 
     def _open_data_socket(self, name: str) -> DataSocket | None:
@@ -101,7 +108,7 @@ class KVTierClient:
         if path is None:
             return None
         try:
-            return DataSocket(path, self.timeout)
+            return DataSocket(path, self.timeout, self.state.limits.max_message_bytes if self.state.limits else 0)
         except OSError as exc:  # e.g. not mounted into this container: gRPC works all the same
             log.info("kvtierd data socket %s unusable (%s); calls go over gRPC", path, exc)
             return None
@@ -111,14 +118,16 @@ class KVTierClient:
         """The data socket this session's unary calls use, or None (gRPC)."""
         return self._data
 
-    def _watch(self, call, first: queue.Queue) -> None:
+    def _watch(self, call, first: queue.Queue, ended: threading.Event) -> None:
         try:
             for event in call:
                 first.put(event)
         except grpc.RpcError as exc:
             first.put(exc)
         finally:
-            self._alive.clear()
+            with self._alive_lock:
+                ended.set()
+                self._alive.clear()
 
     @property
     def connected(self) -> bool:

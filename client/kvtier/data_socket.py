@@ -19,6 +19,8 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import grpc
@@ -67,12 +69,13 @@ class DataSocketError(grpc.RpcError):
 class DataSocket:
     """Client side: one connection per calling thread, opened on its first call."""
 
-    def __init__(self, path: Path, timeout: float) -> None:
+    def __init__(self, path: Path, timeout: float, max_message_bytes: int = 0) -> None:
         self.path = path
         self.timeout = timeout
+        self.max_message_bytes = max_message_bytes  # (0: no limit known) the daemon closes on a larger request
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
+        self._connections: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # (a thread's goes with it)
         self._connection()  # a socket that is not there shows now, not at the first call
 
     def call(self, method: str, request, timeout: float | None = None):
@@ -80,26 +83,34 @@ class DataSocket:
         DataSocketError with the daemon's status on failure."""
         name = method.encode()
         payload = request.SerializeToString()
+        if self.max_message_bytes and len(payload) > self.max_message_bytes:
+            message = f"a {len(payload)}-byte {method} request exceeds the daemon's limit of {self.max_message_bytes} bytes"
+            raise DataSocketError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, answered=False, sent=False)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         connection, sent = None, False
         try:
             connection = self._connection()
-            connection.settimeout(self.timeout if timeout is None else timeout)
+            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
             connection.sendall(b"".join((REQUEST_HEADER.pack(len(payload), len(name)), name, payload)))
             sent = True
-            length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size))
-            body = _receive(connection, length)
+            length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size, deadline))
+            body = _receive(connection, length, deadline)
         except OSError as exc:  # a timeout included: the connection's framing is lost, so drop it
             if connection is not None:
                 self._drop(connection)
             code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, TimeoutError) else grpc.StatusCode.UNAVAILABLE
             raise DataSocketError(code, f"data socket {self.path}: {exc}", answered=False, sent=sent) from None
+        except BaseException:  # (KeyboardInterrupt, ...: its late answer would be read as the next call's)
+            if connection is not None:
+                self._drop(connection)
+            raise
         if status:
             raise DataSocketError(STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         return MESSAGES[method][1].FromString(body)
 
     def close(self) -> None:
         with self._lock:
-            connections, self._connections = self._connections, set()
+            connections, self._connections = list(self._connections), weakref.WeakSet()
         for connection in connections:
             connection.close()
 
@@ -124,10 +135,16 @@ class DataSocket:
         connection.close()
 
 
-def _receive(connection: socket.socket, size: int) -> bytes:
+def _receive(connection: socket.socket, size: int, deadline: float) -> bytes:
+    """`size` bytes, all by `deadline` (time.monotonic): a daemon sending a few bytes at a time does
+    not stretch the call's timeout."""
     buffer = bytearray(size)
     view, received = memoryview(buffer), 0
     while received < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        connection.settimeout(left)
         count = connection.recv_into(view[received:])
         if count == 0:
             raise ConnectionResetError("kvtierd closed the data socket")
