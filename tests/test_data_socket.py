@@ -175,9 +175,13 @@ def test_a_lease_the_client_named_is_kept_when_the_answer_naming_it_is_lost(star
         request = pb.LoadRequest(
             session_id=client.state.session_id, namespace=ns.id, lease_id=lease, transport=pb.TRANSPORT_SHM
         ).SerializeToString()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(str(path))
-            connection.sendall(REQUEST_HEADER.pack(len(request), len("Load")) + b"Load" + request)
+        daemon.process.send_signal(signal.SIGSTOP)  # (so the client is gone before the daemon answers)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.connect(str(path))
+                connection.sendall(REQUEST_HEADER.pack(len(request), len("Load")) + b"Load" + request)
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while "answer undelivered" not in daemon.log() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -203,9 +207,13 @@ def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call)
             "Load": pb.LoadRequest(session_id=session, namespace=ns.id, hashes=joined, transport=pb.TRANSPORT_SHM),
             "Reserve": pb.ReserveRequest(session_id=session, namespace=ns.id, hashes=b"n" * 64, transport=pb.TRANSPORT_SHM),
         }[call].SerializeToString()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(str(path))
-            connection.sendall(REQUEST_HEADER.pack(len(request), len(call)) + call.encode() + request)
+        daemon.process.send_signal(signal.SIGSTOP)  # (so the client is gone before the daemon answers)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.connect(str(path))
+                connection.sendall(REQUEST_HEADER.pack(len(request), len(call)) + call.encode() + request)
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             stats = daemon.admin("GetStats")
