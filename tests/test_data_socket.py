@@ -5,7 +5,6 @@ messages, handlers, statuses and metrics; refused frames never take the daemon d
 from __future__ import annotations
 
 import asyncio
-import gc
 import re
 import signal
 import socket
@@ -266,7 +265,10 @@ def test_a_daemon_trickling_its_answer_does_not_stretch_the_timeout(tmp_path):
         connection, _ = server.accept()
         with connection:
             for _ in range(20):  # one byte every 0.2 s: a whole (empty) answer after 1 s
-                connection.sendall(b"\x00")
+                try:
+                    connection.sendall(b"\x00")
+                except BrokenPipeError:  # (the client gave up, as it should)
+                    return
                 time.sleep(0.2)
 
     threading.Thread(target=trickle, daemon=True).start()
@@ -279,6 +281,7 @@ def test_a_daemon_trickling_its_answer_does_not_stretch_the_timeout(tmp_path):
 
 
 def test_connections_of_threads_that_ended_are_closed(start_daemon):
+    """One connection per calling thread: those of threads that ended go when the next is opened."""
     daemon = start_daemon("--pool-size", "64MiB")
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=BLOCK))
@@ -286,8 +289,7 @@ def test_connections_of_threads_that_ended_are_closed(start_daemon):
             thread = threading.Thread(target=client.lookup, args=(ns, [b"h" * 32]))
             thread.start()
             thread.join()
-        gc.collect()
-        assert len(list(client.data_socket._connections)) <= 1  # (this thread's)
+        assert len(client.data_socket._connections) <= 2  # this thread's and the last thread's
 
 
 def test_a_request_over_the_message_limit_is_refused_without_losing_the_session(start_daemon):
@@ -308,3 +310,10 @@ def test_connecting_a_connected_client_keeps_its_session(start_daemon):
     with KVTierClient(daemon.address) as client:
         client.connect()
         assert len(daemon.admin("ListEngines").engines) == 1
+
+
+def test_a_client_without_a_timeout_calls_over_the_data_socket(start_daemon):
+    daemon = start_daemon("--pool-size", "64MiB")
+    with KVTierClient(daemon.address, timeout=None) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.data_socket is not None and client.lookup(ns, [b"h" * 32]).hit_count == 0

@@ -230,6 +230,35 @@ def test_a_directory_every_user_may_write_in_is_refused(tmp_path, shm, place):
     assert leftovers(tmp_path, shm) == ["shared"] and list(shared.iterdir()) == []  # (no pool file or socket left)
 
 
+def test_trust_directories_lets_a_directory_every_user_may_write_in_be_used(tmp_path, shm):
+    """--trust-directories: a Kubernetes emptyDir is 0777 (only the pod's containers reach it)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    command = [*start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1")]
+    command[command.index("--socket") + 1] = str(shared / "k.sock")
+    daemon = subprocess.Popen([*command, "--trust-directories", "true"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (shared / "k.sock").exists() and daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (shared / "k.sock").exists(), daemon.stderr.read() if daemon.poll() is not None else "no socket"
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user")
+def test_a_lock_file_another_user_made_is_refused_with_a_message(tmp_path, shm):
+    """In a sticky shared directory (as /tmp) another user can make <socket>.lock first."""
+    lock = tmp_path / "k.sock.lock"
+    lock.touch(mode=0o666)
+    os.chown(lock, 65534, 65534)
+    command = start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "belongs to another user" in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user")
 def test_a_socket_directory_another_user_made_is_refused(tmp_path):
     """As /tmp/kvtierd-<uid> made in advance by another local user, who could then move the socket away."""
@@ -276,6 +305,7 @@ def test_a_start_that_fails_leaves_no_pool_file_or_socket(tmp_path, shm):
     assert "Traceback" not in result.stderr and leftovers(tmp_path, shm) == []
 
 
+@pytest.mark.skipif(shutil.disk_usage("/dev/shm").free < 4 << 30, reason="needs 4 GiB free in /dev/shm")
 def test_sigterm_while_starting_leaves_no_pool_file(tmp_path, shm):
     """SIGTERM while a large pool is prefaulted: the daemon exits and takes its pool file with it."""
     process = subprocess.Popen(

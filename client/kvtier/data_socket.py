@@ -20,7 +20,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import grpc
@@ -75,7 +74,7 @@ class DataSocket:
         self.max_message_bytes = max_message_bytes  # (0: no limit known) the daemon closes on a larger request
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._connections: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # (a thread's goes with it)
+        self._connections: dict[socket.socket, threading.Thread] = {}  # each with the thread it serves
         self._connection()  # a socket that is not there shows now, not at the first call
 
     def call(self, method: str, request, timeout: float | None = None):
@@ -86,11 +85,12 @@ class DataSocket:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:
             message = f"a {len(payload)}-byte {method} request exceeds the daemon's limit of {self.max_message_bytes} bytes"
             raise DataSocketError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, answered=False, sent=False)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit  # (None: no timeout)
         connection, sent = None, False
         try:
             connection = self._connection()
-            connection.settimeout(max(deadline - time.monotonic(), 1e-3))
+            connection.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
             connection.sendall(b"".join((REQUEST_HEADER.pack(len(payload), len(name)), name, payload)))
             sent = True
             length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size, deadline))
@@ -110,7 +110,7 @@ class DataSocket:
 
     def close(self) -> None:
         with self._lock:
-            connections, self._connections = list(self._connections), weakref.WeakSet()
+            connections, self._connections = list(self._connections), {}
         for connection in connections:
             connection.close()
 
@@ -126,25 +126,30 @@ class DataSocket:
                 raise
             self._local.connection = connection
             with self._lock:
-                self._connections.add(connection)
+                ended = [c for c, thread in self._connections.items() if not thread.is_alive()]
+                for old in ended:  # (threads that called and are gone: their connections would stay open)
+                    del self._connections[old]
+                    old.close()
+                self._connections[connection] = threading.current_thread()
         return connection
 
     def _drop(self, connection: socket.socket) -> None:
         with self._lock:
-            self._connections.discard(connection)
+            self._connections.pop(connection, None)
         connection.close()
 
 
-def _receive(connection: socket.socket, size: int, deadline: float) -> bytes:
-    """`size` bytes, all by `deadline` (time.monotonic): a daemon sending a few bytes at a time does
-    not stretch the call's timeout."""
+def _receive(connection: socket.socket, size: int, deadline: float | None) -> bytes:
+    """`size` bytes, all by `deadline` (time.monotonic; None: no limit): a daemon sending a few
+    bytes at a time does not stretch the call's timeout."""
     buffer = bytearray(size)
     view, received = memoryview(buffer), 0
     while received < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        connection.settimeout(left)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            connection.settimeout(left)
         count = connection.recv_into(view[received:])
         if count == 0:
             raise ConnectionResetError("kvtierd closed the data socket")

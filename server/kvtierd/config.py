@@ -50,6 +50,12 @@ def _parse_seconds(text: str) -> float:
 class Config:
     socket: Path = _option(default_socket_path(), "Unix socket to serve on (created with --socket-mode).", _parse_socket)
     socket_mode: int = _option(0o660, "Permissions of the Unix socket (octal).", _parse_mode)
+    trust_directories: bool = _option(
+        False,
+        "Use the socket directory, --shm-dir and --fs-path even when another user owns them or every user "
+        "may write in them (e.g. a Kubernetes emptyDir only this pod's containers reach).",
+        _parse_bool,
+    )
     listen: str = _option("", "Also listen on TCP HOST:PORT (off unless given; no authentication).")
     data_socket: bool = _option(
         True,

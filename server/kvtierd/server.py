@@ -58,12 +58,15 @@ class Daemon:
     lock: int  # the fd holding <socket>.lock
 
 
-def own_directory(directory: Path, what: str, mode: int = 0o750) -> Path:
+def own_directory(directory: Path, what: str, trusted: bool = False, mode: int = 0o750) -> Path:
     """Create `directory` (with `mode`) or check the one there: no other user (root aside) may own
     it, or the link to it, or write in it (unless it is sticky, as /tmp): they could swap the
-    daemon's socket, pool file or block files for their own, or point them elsewhere."""
+    daemon's socket, pool file or block files for their own, or point them elsewhere. `trusted`
+    (--trust-directories) skips the check (a directory only this pod's containers reach)."""
     if not directory.exists() and not directory.is_symlink():
         directory.mkdir(parents=True, mode=mode)
+    if trusted:
+        return directory
     ours = (os.geteuid(), 0)
     link, target = directory.lstat(), directory.stat()
     if link.st_uid not in ours or target.st_uid not in ours:
@@ -78,7 +81,14 @@ def own_directory(directory: Path, what: str, mode: int = 0o750) -> Path:
 def lock_socket(path: Path) -> int:
     """Hold `<socket>.lock` for the daemon's life: a second daemon starting on the socket at the same
     time (before either has bound it) exits instead of taking it over."""
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SystemExit(f"kvtierd: cannot open the lock file {lock}: {exc}") from None
+    if os.fstat(fd).st_uid not in (os.geteuid(), 0):
+        os.close(fd)
+        raise SystemExit(f"kvtierd: the lock file {lock} belongs to another user; refusing to use it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -120,23 +130,33 @@ def data_socket_path(config: Config) -> Path | None:
 
 
 def build(config: Config) -> Daemon:
-    own_directory(config.socket.parent, "socket directory")
+    own_directory(config.socket.parent, "socket directory", config.trust_directories)
     lock = lock_socket(config.socket)
     prepare_socket(config.socket)
     fast_path = data_socket_path(config)
     if fast_path is not None:
         prepare_socket(fast_path)
-    own_directory(config.shm_dir, "--shm-dir")
-    pool = SharedPool(config.shm_dir, pool_file_prefix(config.socket), config.pool_size, config.page_size, config.shm_mode)
+    own_directory(config.shm_dir, "--shm-dir", config.trust_directories)
+    stopping = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stopping)  # (a signal now would leave a half-made pool file)
+    try:
+        pool = SharedPool(config.shm_dir, pool_file_prefix(config.socket), config.pool_size, config.page_size, config.shm_mode)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
     try:
         return _build(config, pool, fast_path, lock)
     except BaseException:  # (a port in use, SIGTERM while prefaulting: no pool file or socket left behind)
-        pool.close()
-        for path in (config.socket, fast_path):
-            if path is not None:
-                path.unlink(missing_ok=True)
-        os.close(lock)
+        discard(config, pool, fast_path, lock)
         raise
+
+
+def discard(config: Config, pool: SharedPool, fast_path: Path | None, lock: int) -> None:
+    """What a start that failed made: its pool file, sockets and lock."""
+    pool.close()
+    for path in (config.socket, fast_path):
+        if path is not None:
+            path.unlink(missing_ok=True)
+    os.close(lock)
 
 
 def _build(config: Config, pool: SharedPool, fast_path: Path | None, lock: int) -> Daemon:
@@ -233,7 +253,7 @@ def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
         queue_bytes=config.fs_queue_size,
         index_interval=config.fs_index_interval,
     )
-    own_directory(settings.root, "--fs-path")
+    own_directory(settings.root, "--fs-path", config.trust_directories)
     fs = FsTier(settings, pool, store)
     for spec in fs.open():
         try:
@@ -257,11 +277,9 @@ def _stop_starting(signum, frame) -> None:
     raise SystemExit(f"kvtierd: stopped by signal {signum} while starting")
 
 
-async def serve(config: Config) -> None:
-    for signum in (signal.SIGTERM, signal.SIGINT):  # (while starting: build cleans up as it unwinds)
-        signal.signal(signum, _stop_starting)
-    daemon = build(config)
-    stop = asyncio.Event()
+async def start(daemon: Daemon, stop: asyncio.Event) -> None:
+    """Hand SIGTERM and SIGINT to the event loop (`stop`) and start serving on the sockets."""
+    config = daemon.config
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -272,6 +290,19 @@ async def serve(config: Config) -> None:
             await daemon.data_socket.start()
     finally:
         os.umask(previous_umask)
+
+
+async def serve(config: Config) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):  # (while starting: build cleans up as it unwinds)
+        signal.signal(signum, _stop_starting)
+    stop, daemon = asyncio.Event(), None
+    try:
+        daemon = build(config)  # (which cleans up itself when it fails)
+        await start(daemon, stop)
+    except BaseException:  # (a signal before the loop's handlers took over, a server that did not start)
+        if daemon is not None:
+            discard(config, daemon.pool, daemon.data_socket.path if daemon.data_socket else None, daemon.lock)
+        raise
     os.chmod(config.socket, config.socket_mode)
     if daemon.data_socket is not None:
         os.chmod(daemon.data_socket.path, config.socket_mode)
