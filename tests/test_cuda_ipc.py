@@ -382,7 +382,7 @@ def test_a_store_without_a_deadline_waits_for_its_forward_no_longer_than_the_lea
         ready = kv.record_ready()
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as late:
-            client._run(ops._store_cuda(client.state, ns, hashes, list(range(4)), ready, 0), timeout=30)
+            client._run(ops.store_cuda(client.state, ns, hashes, list(range(4)), ready, 0), timeout=30)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value.details()
         assert time.monotonic() - started < 2.0 and daemon.admin("GetStats").reserved_bytes == 0
         torch.cuda.synchronize()

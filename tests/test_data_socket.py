@@ -161,30 +161,40 @@ async def _closed(server: DataSocketServer) -> None:
     await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
 
 
+def stored_blocks(client: KVTierClient) -> tuple:
+    """A namespace holding three blocks: (namespace, their hashes)."""
+    ns = client.register(spec(block_bytes=BLOCK))
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    assert client.store(ns, hashes, np.zeros((3, BLOCK), dtype=np.uint8)) == 3
+    return ns, hashes
+
+
+def send_and_vanish(daemon, method: str, request: bytes) -> None:
+    """Send a call on the data socket and close the connection before the daemon (stopped
+    meanwhile) can answer; return once the daemon has found its answer undelivered."""
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(daemon.socket.with_name(daemon.socket.name + ".data")))
+            connection.sendall(REQUEST_HEADER.pack(len(request), len(method)) + method.encode() + request)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while "answer undelivered" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert re.search(rf"data socket answer undelivered: the client went away method={method}\b", daemon.log())
+
+
 def test_a_lease_the_client_named_is_kept_when_the_answer_naming_it_is_lost(start_daemon):
     """A shm Load by a lease the client holds (from its pinned Lookup): should its answer be lost,
     the lease stays the client's to release (it may be reading the pages it was given)."""
     daemon = start_daemon("--pool-size", "64MiB", "--lease-ttl", "120")
-    path = daemon.socket.with_name(daemon.socket.name + ".data")
-    hashes = [bytes([i]) * 32 for i in range(3)]
     with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        assert client.store(ns, hashes, np.zeros((3, BLOCK), dtype=np.uint8)) == 3
+        ns, hashes = stored_blocks(client)
         lease = client.lookup(ns, hashes, pin=True).lease_id
-        request = pb.LoadRequest(
-            session_id=client.state.session_id, namespace=ns.id, lease_id=lease, transport=pb.TRANSPORT_SHM
-        ).SerializeToString()
-        daemon.process.send_signal(signal.SIGSTOP)  # (so the client is gone before the daemon answers)
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-                connection.connect(str(path))
-                connection.sendall(REQUEST_HEADER.pack(len(request), len("Load")) + b"Load" + request)
-        finally:
-            daemon.process.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while "answer undelivered" not in daemon.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "answer undelivered" in daemon.log() and daemon.admin("GetStats").pinned_blocks == 3
+        request = pb.LoadRequest(session_id=client.state.session_id, namespace=ns.id, lease_id=lease, transport=pb.TRANSPORT_SHM)
+        send_and_vanish(daemon, "Load", request.SerializeToString())
+        assert daemon.admin("GetStats").pinned_blocks == 3
         client.release(lease)  # still the client's
         assert daemon.admin("GetStats").pinned_blocks == 0
 
@@ -194,34 +204,19 @@ def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call)
     """A call whose client closed the connection before the answer came: the lease or reservation
     it made is ended at once (the client never learnt its id), not kept until --lease-ttl."""
     daemon = start_daemon("--pool-size", "64MiB", "--lease-ttl", "120")
-    path = daemon.socket.with_name(daemon.socket.name + ".data")
-    hashes = [bytes([i]) * 32 for i in range(3)]
     with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        assert client.store(ns, hashes, np.zeros((3, BLOCK), dtype=np.uint8)) == 3
+        ns, hashes = stored_blocks(client)
         session, joined = client.state.session_id, b"".join(hashes)
         request = {
             "Lookup": pb.LookupRequest(session_id=session, namespace=ns.id, hashes=joined, pin=True),
             "LookupBatch": pb.LookupBatchRequest(session_id=session, namespace=ns.id, queries=[joined], pin=True),
             "Load": pb.LoadRequest(session_id=session, namespace=ns.id, hashes=joined, transport=pb.TRANSPORT_SHM),
             "Reserve": pb.ReserveRequest(session_id=session, namespace=ns.id, hashes=b"n" * 64, transport=pb.TRANSPORT_SHM),
-        }[call].SerializeToString()
-        daemon.process.send_signal(signal.SIGSTOP)  # (so the client is gone before the daemon answers)
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-                connection.connect(str(path))
-                connection.sendall(REQUEST_HEADER.pack(len(request), len(call)) + call.encode() + request)
-        finally:
-            daemon.process.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            stats = daemon.admin("GetStats")
-            if stats.pinned_blocks == 0 and stats.reserved_bytes == 0:
-                break
-            time.sleep(0.05)
+        }[call]
+        send_and_vanish(daemon, call, request.SerializeToString())
+        stats = daemon.admin("GetStats")
         assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0
         assert client.lookup(ns, hashes).hit_count == 3  # the session goes on
-    assert re.search(rf"data socket answer undelivered: the client went away method={call}\b", daemon.log())
 
 
 class Interrupted(Exception):

@@ -242,10 +242,20 @@ def store_cuda(  # noqa: PLR0913
     ready_event: int,
     deadline_ns: int = 0,
 ) -> Op:
-    """_store_cuda in calls of at most max_batch_blocks blocks; how many were newly committed."""
+    """The daemon copies the engine's GPU blocks into the pool (once the engine's ready event
+    `ready_event`, an index into its ring, has completed) and commits them, in Reserve calls of at
+    most max_batch_blocks blocks; returns how many were newly committed. Nothing is committed from
+    a copy seen ending after `deadline_ns` (DEADLINE_EXCEEDED)."""
     committed = 0
     for run, targets in _device_runs(state, ns, hashes, device_block_ids):
-        committed += yield from _store_cuda(state, ns, run, targets, ready_event, deadline_ns)
+        target = pb.CudaIpcTarget(
+            registration_id=ns.cuda_registration, device_block_ids=targets, deadline_ns=deadline_ns, ready_event=ready_event
+        )
+        request = pb.ReserveRequest(
+            session_id=state.session_id, namespace=ns.id, hashes=run, transport=pb.TRANSPORT_CUDA_IPC, cuda_ipc=target
+        )
+        response = yield "Reserve", request
+        committed += response.committed_count
     return committed
 
 
@@ -254,32 +264,6 @@ def _device_runs(state: SessionState, ns: Namespace, hashes, device_block_ids: S
     limit = state.max_batch_blocks
     for index, run in enumerate(split_hashes(state, ns, hashes)):
         yield run, device_block_ids[index * limit : index * limit + len(run) // ns.hash_bytes]
-
-
-def _store_cuda(  # noqa: PLR0913
-    state: SessionState,
-    ns: Namespace,
-    hashes: Sequence[bytes],
-    device_block_ids: Sequence[int],
-    ready_event: int,
-    deadline_ns: int = 0,
-) -> Op:
-    """One Reserve call: the daemon copies the engine's GPU blocks into the pool (once the engine's ready event
-    `ready_event`, an index into its ring, has completed) and commits them; returns how many were
-    newly committed. Nothing is committed from a copy seen ending after `deadline_ns`
-    (DEADLINE_EXCEEDED)."""
-    target = pb.CudaIpcTarget(
-        registration_id=ns.cuda_registration, device_block_ids=device_block_ids, deadline_ns=deadline_ns, ready_event=ready_event
-    )
-    request = pb.ReserveRequest(
-        session_id=state.session_id,
-        namespace=ns.id,
-        hashes=join_hashes(hashes),
-        transport=pb.TRANSPORT_CUDA_IPC,
-        cuda_ipc=target,
-    )
-    response = yield "Reserve", request
-    return response.committed_count
 
 
 def reserve(state: SessionState, ns: Namespace, hashes) -> Op:
