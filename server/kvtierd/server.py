@@ -303,9 +303,6 @@ async def serve(config: Config) -> None:
         if daemon is not None:
             discard(config, daemon.pool, daemon.data_socket.path if daemon.data_socket else None, daemon.lock)
         raise
-    os.chmod(config.socket, config.socket_mode)
-    if daemon.data_socket is not None:
-        os.chmod(daemon.data_socket.path, config.socket_mode)
     for name in ("", *SERVICE_NAMES):
         await daemon.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     expiry = asyncio.create_task(expire_leases(daemon))
