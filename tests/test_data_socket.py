@@ -169,6 +169,14 @@ def stored_blocks(client: KVTierClient) -> tuple:
     return ns, hashes
 
 
+def loaded_blocks(daemon, ns) -> int:
+    """The namespace's blocks counted as loaded: by the RAM tier and by the engines' sessions."""
+    tier = daemon.admin("GetStats", namespace=ns.id).tiers[0].loaded_blocks
+    engines = sum(engine.loaded_blocks for engine in daemon.admin("ListEngines").engines)
+    assert tier == engines
+    return tier
+
+
 def send_and_vanish(daemon, method: str, request: bytes) -> None:
     """Send a call on the data socket and close the connection before the daemon (stopped
     meanwhile) can answer; return once the daemon has found its answer undelivered."""
@@ -195,6 +203,7 @@ def test_a_lease_the_client_named_is_kept_when_the_answer_naming_it_is_lost(star
         request = pb.LoadRequest(session_id=client.state.session_id, namespace=ns.id, lease_id=lease, transport=pb.TRANSPORT_SHM)
         send_and_vanish(daemon, "Load", request.SerializeToString())
         assert daemon.admin("GetStats").pinned_blocks == 3
+        assert loaded_blocks(daemon, ns) == 0  # (its client read no page)
         client.release(lease)  # still the client's
         assert daemon.admin("GetStats").pinned_blocks == 0
 
@@ -216,7 +225,10 @@ def test_a_client_gone_before_its_answer_leaves_nothing_held(start_daemon, call)
         send_and_vanish(daemon, call, request.SerializeToString())
         stats = daemon.admin("GetStats")
         assert stats.pinned_blocks == 0 and stats.reserved_bytes == 0
+        assert loaded_blocks(daemon, ns) == 0
         assert client.lookup(ns, hashes).hit_count == 3  # the session goes on
+        client.load(ns, hashes)
+        assert loaded_blocks(daemon, ns) == 3  # (a delivered load counts)
 
 
 class Interrupted(Exception):

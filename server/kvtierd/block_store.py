@@ -302,8 +302,8 @@ class BlockStore:
         """Start a lease's or reservation's time to live again (its holder was kept waiting)."""
         hold.expires_at = self._clock() + self.lease_ttl
 
-    def note_loaded(self, lease: Lease) -> None:
-        lease.namespace.counters.loaded_blocks += len(lease.blocks)
+    def note_loaded(self, ns: Namespace, blocks: int) -> None:
+        ns.counters.loaded_blocks += blocks
 
     def _end_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]

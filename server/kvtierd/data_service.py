@@ -261,6 +261,8 @@ class DataService(pb_grpc.KVTierServicer):
             made_here = not request.lease_id  # (a lease the client named is the client's to release)
             let_go = partial(self.store.release, session.id, lease.id) if made_here else _nothing
             response = self._sendable(response, let_go, context)
+            if (on_undelivered := getattr(context, "on_undelivered", None)) is not None:  # (gRPC: none)
+                on_undelivered(partial(self._count_loaded, session, lease, -1))  # its client read no page
         elif registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
             response = await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
@@ -269,10 +271,12 @@ class DataService(pb_grpc.KVTierServicer):
         self._count_loaded(session, lease)  # (only loads that hand their blocks out)
         return response
 
-    def _count_loaded(self, session: Session, lease: Lease) -> None:
-        self.store.note_loaded(lease)
-        session.counters.loaded_blocks += len(lease.blocks)
-        session.counters.loaded_bytes += len(lease.blocks) * lease.namespace.block_bytes
+    def _count_loaded(self, session: Session, lease: Lease, sign: int = 1) -> None:
+        """Count the lease's blocks as loaded (`sign` -1: take them back, the answer never arrived)."""
+        blocks = sign * len(lease.blocks)
+        self.store.note_loaded(lease.namespace, blocks)
+        session.counters.loaded_blocks += blocks
+        session.counters.loaded_bytes += blocks * lease.namespace.block_bytes
 
     async def _load_cuda(
         self, session_id: str, lease: Lease, registration, target: pb.CudaIpcTarget, answer_now
