@@ -1,6 +1,7 @@
 """The connector class against the installed vLLM's connector API (no engine needed)."""
 
 import inspect
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -91,7 +92,10 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path, hf_config_path="org/other-config") != base  # (a hub config: by its name)
     theta = [lambda config: setattr(config, "rope_theta", 1e4), lambda config: setattr(config, "rope_theta", 5e5)]
     assert digest(tmp_path, hf_overrides=theta[0]) != digest(tmp_path, hf_overrides=theta[1])
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"other weights")
+    weights = tmp_path / "model" / "model.safetensors"
+    os.utime(weights, ns=(1, 1))  # the same files copied anew: the same namespace
+    assert digest(tmp_path) == base
+    weights.write_bytes(b"other-w")  # other weights of the same size: another
     assert digest(tmp_path) != base
 
 

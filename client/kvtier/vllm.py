@@ -32,6 +32,7 @@ from kvtier.engine.kv_blocks import LayerMajorKV
 from kvtier.engine.link import DaemonLink
 from kvtier.engine.scheduler import PrefixPlanner
 from kvtier.engine.worker import BlockTransfers
+from kvtier.model_files import files_fingerprint
 from kvtier.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.vllm")
@@ -162,9 +163,10 @@ def model_identity(model_config) -> dict[str, str]:
     """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
     (rope scaling, ...; a function by its code), and for a local model (and config) directory its
-    files' names, sizes and mtimes (another model copied under the same path is another
-    namespace). Not the loaded HF config: model code may change it while the engine loads the
-    model, in this process or only in a worker's, so engines that should share would not."""
+    files' names, sizes and contents (model_files: another model copied under the same path is
+    another namespace, the same files copied anew are not). Not the loaded HF config: model code
+    may change it while the engine loads the model, in this process or only in a worker's, so
+    engines that should share would not."""
     overrides = getattr(model_config, "hf_overrides", None) or {}
     if callable(overrides):
         code = getattr(overrides, "__code__", None)
@@ -190,15 +192,6 @@ def _code_digest(code) -> str:
     """A function's bytecode, names and plain constants (the same in every process running it)."""
     constants = [c for c in code.co_consts if not hasattr(c, "co_code")]
     return hashlib.sha256(code.co_code + repr((constants, code.co_names)).encode()).hexdigest()
-
-
-def files_fingerprint(directory: Path) -> str:
-    """A digest of the names, sizes and modification times of a directory's files (no file is read)."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.iterdir() if p.is_file()):
-        stat = path.stat()
-        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
 
 
 def worker_ranks() -> tuple[int, int]:
