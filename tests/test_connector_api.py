@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
-from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats, namespace_spec  # noqa: E402
+from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats, model_identity, namespace_spec  # noqa: E402
 
 
 def test_every_abstract_hook_is_implemented_with_vllms_signature():
@@ -73,10 +73,15 @@ def engine_config(tmp_path, **changes):
     return vllm_config, kv_cache_config
 
 
+def spec_of(tmp_path, **changes):
+    vllm_config, kv_cache_config = engine_config(tmp_path, **changes)
+    return namespace_spec(vllm_config, kv_cache_config, ConnectorConfig(), model_identity(vllm_config.model_config))
+
+
 def digest(tmp_path, **changes) -> str:
     from kvtierd.namespace import namespace_digest
 
-    return namespace_digest(namespace_spec(*engine_config(tmp_path, **changes), ConnectorConfig()))
+    return namespace_digest(spec_of(tmp_path, **changes))
 
 
 def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
@@ -100,7 +105,7 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
 
 
 def test_pipeline_stages_are_part_of_the_namespace(tmp_path):
-    spec = namespace_spec(*engine_config(tmp_path, parallel={"pipeline_parallel_size": 2}), ConnectorConfig())
+    spec = spec_of(tmp_path, parallel={"pipeline_parallel_size": 2})
     assert (spec.pp_size, spec.pp_rank) == (2, 0)  # the scheduler's: stage 0 (each worker sets its own)
 
 
@@ -119,4 +124,4 @@ def test_engines_whose_blocks_are_not_their_hashes_tokens_run_without_the_cache(
         ({"hash_block_size": 32}, "one block size"),
     ]:
         with pytest.raises(ValueError, match=reason):
-            namespace_spec(*engine_config(tmp_path, **changes), ConnectorConfig())
+            spec_of(tmp_path, **changes)

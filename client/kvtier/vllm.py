@@ -104,8 +104,9 @@ def guarded(default=None):
     return wrap
 
 
-def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig) -> pb.NamespaceSpec:
-    """Everything that makes this engine's KV bytes for a block hash interchangeable with another's."""
+def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig, identity: dict[str, str]) -> pb.NamespaceSpec:
+    """Everything that makes this engine's KV bytes for a block hash interchangeable with another's
+    (`identity`: the model's, from model_identity)."""
     from vllm.v1.core import kv_cache_utils  # noqa: PLC0415 (NONE_HASH is set when the engine starts)
 
     groups = kv_cache_config.kv_cache_groups
@@ -134,7 +135,7 @@ def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig) -> pb.
         hash_algorithm=str(cache_config.prefix_caching_hash_algo),
         hash_seed=bytes(none_hash).hex(),
         hash_bytes=len(none_hash) or 32,
-        extra={**model_identity(model_config), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
+        extra={**identity, **{str(k): str(v) for k, v in config.namespace_extra.items()}},
     )
 
 
@@ -239,8 +240,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self._failed_loads: set[str] = set()
         self._vllm_config = vllm_config
         self._link.connect_soon()
+        self._identity: dict[str, str] = {}
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(self._kv_transfer_config)
+            try:  # (reads the model's files: while the engine starts, not in its first request's step)
+                self._identity = model_identity(vllm_config.model_config)
+            except Exception:
+                log.exception("kvtier cannot identify this engine's model; it runs without the cache")
+                self._unsupported = True
 
     def _scheduler_planner(self) -> PrefixPlanner | None:
         """Made on first use: the namespace includes vLLM's NONE_HASH, set after connectors are built."""
@@ -253,7 +260,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._planner
 
     def _new_planner(self) -> PrefixPlanner:
-        spec = namespace_spec(self._vllm_config, self._kv_cache_config, self.config)
+        spec = namespace_spec(self._vllm_config, self._kv_cache_config, self.config, self._identity)
         self._link.set_namespace_spec(spec)
         return PrefixPlanner(
             self._link,
