@@ -59,6 +59,7 @@ def engine_config(tmp_path, **changes):
         hf_config=LlamaConfig(num_hidden_layers=2, **changes.pop("loaded_config", {})),
         hf_overrides=changes.pop("hf_overrides", {}),
         hf_config_path=changes.pop("hf_config_path", None),
+        model_weights=changes.pop("model_weights", ""),
     )
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
     for name, value in changes.pop("parallel", {}).items():
@@ -67,6 +68,8 @@ def engine_config(tmp_path, **changes):
         model_config=model,
         cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
         parallel_config=parallel,
+        load_config=SimpleNamespace(load_format=changes.pop("load_format", "auto")),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=changes.pop("extra_config", {})),
     )
     groups = [KVCacheGroupSpec(layer_names=["layer.0", "layer.1"], kv_cache_spec=kv_spec)]
     kv_cache_config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups, **changes)
@@ -75,7 +78,7 @@ def engine_config(tmp_path, **changes):
 
 def spec_of(tmp_path, **changes):
     vllm_config, kv_cache_config = engine_config(tmp_path, **changes)
-    return namespace_spec(vllm_config, kv_cache_config, ConnectorConfig(), model_identity(vllm_config.model_config))
+    return namespace_spec(vllm_config, kv_cache_config, ConnectorConfig(), model_identity(vllm_config))
 
 
 def digest(tmp_path, **changes) -> str:
@@ -95,6 +98,9 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path, quantization="fp8") != base
     assert digest(tmp_path, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}) != base
     assert digest(tmp_path, hf_config_path="org/other-config") != base  # (a hub config: by its name)
+    assert digest(tmp_path, load_format="safetensors") == base  # (the same weights, read another way)
+    assert digest(tmp_path, load_format="dummy") != base  # random weights
+    assert digest(tmp_path, model_weights="s3://bucket/other") != base  # weights pulled apart from the configs
     theta = [lambda config: setattr(config, "rope_theta", 1e4), lambda config: setattr(config, "rope_theta", 5e5)]
     assert digest(tmp_path, hf_overrides=theta[0]) != digest(tmp_path, hf_overrides=theta[1])
     weights = tmp_path / "model" / "model.safetensors"
@@ -102,6 +108,23 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path) == base
     weights.write_bytes(b"other-w")  # other weights of the same size: another
     assert digest(tmp_path) != base
+
+
+def test_the_scheduler_connector_registers_its_models_files(tmp_path):
+    """The scheduler's connector identifies its model while the engine starts, and its namespace
+    carries the model directory's fingerprint (another copy of the files: the same one)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.model_files import files_fingerprint
+
+    vllm_config, kv_cache_config = engine_config(tmp_path, extra_config={"address": f"unix://{tmp_path}/absent.sock"})
+    connector = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    try:
+        assert connector._scheduler_planner() is not None  # (no daemon: the planner is made all the same)
+        assert connector._link._spec.extra["files"] == files_fingerprint(tmp_path / "model")
+        assert connector._link._spec == spec_of(tmp_path)
+    finally:
+        connector.shutdown()
 
 
 def test_pipeline_stages_are_part_of_the_namespace(tmp_path):

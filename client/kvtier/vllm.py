@@ -160,14 +160,16 @@ def check_supported(vllm_config, kv_cache_config, spec) -> None:
             raise ValueError(f"kvtier needs one block size: {name} {size} != cache block_size {block_size}")
 
 
-def model_identity(model_config) -> dict[str, str]:
+def model_identity(vllm_config) -> dict[str, str]:
     """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
-    (rope scaling, ...; a function by its code), and for a local model (and config) directory its
-    files' names, sizes and contents (model_files: another model copied under the same path is
-    another namespace, the same files copied anew are not). Not the loaded HF config: model code
-    may change it while the engine loads the model, in this process or only in a worker's, so
-    engines that should share would not."""
+    (rope scaling, ...; a function by its code), where its weights come from when vLLM pulled the
+    configs apart from them (model_weights: object storage), random weights (load_format dummy),
+    and for a local model (and config) directory its model files' names, sizes and contents
+    (model_files: another model copied under the same path is another namespace, the same files
+    copied anew are not). Not the loaded HF config: model code may change it while the engine loads
+    the model, in this process or only in a worker's, so engines that should share would not."""
+    model_config = vllm_config.model_config
     overrides = getattr(model_config, "hf_overrides", None) or {}
     if callable(overrides):
         code = getattr(overrides, "__code__", None)
@@ -183,6 +185,10 @@ def model_identity(model_config) -> dict[str, str]:
         "config_revision": str(getattr(model_config, "_hf_config_revision", None) or ""),
         "code_revision": str(getattr(model_config, "code_revision", None) or ""),
     }
+    if weights := getattr(model_config, "model_weights", ""):
+        identity["model_weights"] = str(weights)
+    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy":
+        identity["load_format"] = "dummy"
     for key, path in (("files", model_config.model), ("config_files", config_path)):
         if path and os.path.isdir(str(path)):
             identity[key] = files_fingerprint(Path(str(path)))
@@ -244,7 +250,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(self._kv_transfer_config)
             try:  # (reads the model's files: while the engine starts, not in its first request's step)
-                self._identity = model_identity(vllm_config.model_config)
+                self._identity = model_identity(vllm_config)
             except Exception:
                 log.exception("kvtier cannot identify this engine's model; it runs without the cache")
                 self._unsupported = True

@@ -261,19 +261,20 @@ class DataService(pb_grpc.KVTierServicer):
             made_here = not request.lease_id  # (a lease the client named is the client's to release)
             let_go = partial(self.store.release, session.id, lease.id) if made_here else _nothing
             response = self._sendable(response, let_go, context)
-            if (on_undelivered := getattr(context, "on_undelivered", None)) is not None:  # (gRPC: none)
-                on_undelivered(partial(self._count_loaded, session, lease, -1))  # its client read no page
         elif registration is not None:
             answer_now = getattr(context, "answer_now", None)  # the data socket's; gRPC answers on return
             response = await self._load_cuda(session.id, lease, registration, request.cuda_ipc, answer_now)
         else:
             response = self._load_inline(session.id, lease)
-        self._count_loaded(session, lease)  # (only loads that hand their blocks out)
+        count = partial(self._count_loaded, session, lease)  # (only loads that hand their blocks out)
+        if (on_delivered := getattr(context, "on_delivered", None)) is not None:
+            on_delivered(count)  # the data socket's: once the answer is written (a shm load's pages are read after)
+        else:
+            count()  # (gRPC tells no delivery: counted on return)
         return response
 
-    def _count_loaded(self, session: Session, lease: Lease, sign: int = 1) -> None:
-        """Count the lease's blocks as loaded (`sign` -1: take them back, the answer never arrived)."""
-        blocks = sign * len(lease.blocks)
+    def _count_loaded(self, session: Session, lease: Lease) -> None:
+        blocks = len(lease.blocks)
         self.store.note_loaded(lease.namespace, blocks)
         session.counters.loaded_blocks += blocks
         session.counters.loaded_bytes += blocks * lease.namespace.block_bytes

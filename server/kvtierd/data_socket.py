@@ -7,7 +7,8 @@ A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its 
 A handler may answer before it ends (`answer_now`: a GPU load answers the moment its bytes are
 seen in place, and releases its blocks after). An answer that cannot be written (the client went
 away meanwhile) ends the leases and reservations it carried (`on_undelivered`): nobody else knows
-their ids, and they would hold their blocks until --lease-ttl.
+their ids, and they would hold their blocks until --lease-ttl. What counts only once the answer is
+written (a load's blocks as loaded) waits for it (`on_delivered`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ class _Refused(Exception):
 
 
 class _CallContext:
-    """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), `answer_now` and
-    `on_undelivered`."""
+    """What `rpc.unary` needs of a gRPC context (the peer, and abort: here, raise), `answer_now`,
+    `on_undelivered` and `on_delivered`."""
 
     def __init__(self, peer: str, transport: asyncio.WriteTransport) -> None:
         self._peer = peer
         self._transport = transport
         self.answered = False
         self._let_go: list[Callable[[], None]] = []
+        self._when_delivered: list[Callable[[], None]] = []
 
     def peer(self) -> str:
         return self._peer
@@ -62,6 +64,14 @@ class _CallContext:
     def on_undelivered(self, let_go: Callable[[], None]) -> None:
         """Call `let_go` (end the holds the answer carries) should the answer not reach the client."""
         self._let_go.append(let_go)
+
+    def on_delivered(self, action: Callable[[], None]) -> None:
+        """Run `action` once the answer is written."""
+        self._when_delivered.append(action)
+
+    def delivered(self) -> None:
+        for action in self._when_delivered:
+            action()
 
     def undelivered(self, method: str) -> None:
         log.warning("data socket answer undelivered: the client went away", extra={"method": method, "peer": self._peer})
@@ -110,6 +120,7 @@ class DataSocketServer:
                     except ConnectionError:
                         context.undelivered(method)
                         raise
+                context.delivered()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (between calls, or in the middle of one)
         finally:
