@@ -33,14 +33,18 @@ FINGERPRINT_THREADS = 16
 
 def files_fingerprint(directory: Path) -> str:
     """A digest of the names, sizes and contents (whole or sampled) of a directory's model files."""
-    files = sorted(p for p in directory.iterdir() if p.suffix in MODEL_SUFFIXES and not p.name.startswith(".") and p.is_file())
+    files = sorted(p for p in directory.iterdir() if p.suffix in MODEL_SUFFIXES and not p.name.startswith("."))
     with ThreadPoolExecutor(FINGERPRINT_THREADS, thread_name_prefix="kvtier-fingerprint") as pool:
         return hashlib.sha256(b"".join(pool.map(_file_digest, files))).hexdigest()
 
 
 def _file_digest(path: Path) -> bytes:
-    digest = hashlib.sha256(path.name.encode() + b"\0")
+    """The digest of a regular file's name, size and contents (whole or sampled); nothing for
+    anything else (a directory, a dangling symlink)."""
+    digest = hashlib.sha256(os.fsencode(path.name) + b"\0")
     try:
+        if not path.is_file():
+            return b""
         with path.open("rb") as file:
             size = os.fstat(file.fileno()).st_size
             digest.update(f"{size}\0".encode())
