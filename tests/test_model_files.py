@@ -71,6 +71,22 @@ def test_other_weights_configs_or_files_give_another_fingerprint(tmp_path):
     assert changed("added", lambda d: (d / "tokenizer.json").write_text("{}")) != base
 
 
+def test_a_model_of_one_file_is_fingerprinted_by_it(tmp_path):
+    """A GGUF model is one file: a copy of it (another path, another mtime) shares its fingerprint,
+    another file's differs."""
+
+    def gguf(directory: str, seed: int, mtime_ns: int):
+        (tmp_path / directory).mkdir()
+        path = tmp_path / directory / "model.gguf"
+        path.write_bytes(np.random.default_rng(seed).integers(0, 256, WEIGHTS, dtype=np.uint8).tobytes())
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+        return files_fingerprint(path)
+
+    model = gguf("a", seed=0, mtime_ns=1)
+    assert gguf("b", seed=0, mtime_ns=2) == model
+    assert gguf("c", seed=1, mtime_ns=1) != model
+
+
 def test_an_unreadable_file_counts_by_its_name(tmp_path):
     """A file the engine's user cannot read (one vLLM does not load), even behind a symlink into a
     directory it cannot enter (a Hugging Face cache's layout), is fingerprinted by its name, and so

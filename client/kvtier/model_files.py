@@ -31,9 +31,13 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 FINGERPRINT_THREADS = 16
 
 
-def files_fingerprint(directory: Path) -> str:
-    """A digest of the names, sizes and contents (whole or sampled) of a directory's model files."""
-    files = sorted(p for p in directory.iterdir() if p.suffix in MODEL_SUFFIXES and not p.name.startswith("."))
+def files_fingerprint(path: Path) -> str:
+    """A digest of the names, sizes and contents (whole or sampled) of a directory's model files, or
+    of one file (a GGUF model is one)."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in MODEL_SUFFIXES and not p.name.startswith("."))
     with ThreadPoolExecutor(FINGERPRINT_THREADS, thread_name_prefix="kvtier-fingerprint") as pool:
         return hashlib.sha256(b"".join(pool.map(_file_digest, files))).hexdigest()
 

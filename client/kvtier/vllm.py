@@ -165,7 +165,7 @@ def model_identity(vllm_config) -> dict[str, str]:
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
     (rope scaling, ...; a function by its code), where its weights come from when vLLM pulled the
     configs apart from them (model_weights: object storage), random weights (load_format dummy),
-    and for a local model (and config) directory its model files' names, sizes and contents
+    and for a local model (and config) directory, or model file, its model files' names, sizes and contents
     (model_files: another model copied under the same path is another namespace, the same files
     copied anew are not). Not the loaded HF config: model code may change it while the engine loads
     the model, in this process or only in a worker's, so engines that should share would not."""
@@ -190,7 +190,7 @@ def model_identity(vllm_config) -> dict[str, str]:
     if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy":
         identity["load_format"] = "dummy"
     for key, path in (("files", model_config.model), ("config_files", config_path)):
-        if path and os.path.isdir(str(path)):
+        if path and os.path.exists(str(path)):
             identity[key] = files_fingerprint(Path(str(path)))
     return identity
 
