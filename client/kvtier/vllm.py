@@ -165,10 +165,10 @@ def model_identity(vllm_config) -> dict[str, str]:
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
     (rope scaling, ...; a function by its code), where its weights come from when vLLM pulled the
     configs apart from them (model_weights: object storage), random weights (load_format dummy),
-    and for a local model (and config) directory, or model file, its model files' names, sizes and contents
-    (model_files: another model copied under the same path is another namespace, the same files
-    copied anew are not). Not the loaded HF config: model code may change it while the engine loads
-    the model, in this process or only in a worker's, so engines that should share would not."""
+    and for a local model (and config) directory or file the names, sizes and contents of its model
+    files (model_files: another model copied under the same path is another namespace, the same
+    files copied anew are not). Not the loaded HF config: model code may change it while the engine
+    loads the model, in this process or only in a worker's, so engines that should share would not."""
     model_config = vllm_config.model_config
     overrides = getattr(model_config, "hf_overrides", None) or {}
     if callable(overrides):
