@@ -10,7 +10,6 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
-from kvtier.model_files import files_fingerprint  # noqa: E402
 from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats, model_identity, namespace_spec  # noqa: E402
 
 
@@ -51,11 +50,10 @@ def engine_config(tmp_path, **changes):
     if not model_dir.exists():
         model_dir.mkdir()
         (model_dir / "model.safetensors").write_bytes(b"weights")
-    model_name = changes.pop("model", str(model_dir))
     kv_spec = changes.pop("kv_spec", None) or FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     model = SimpleNamespace(
-        model=model_name,
-        revision=changes.pop("revision", None),
+        model=str(model_dir),
+        revision=None,
         quantization=changes.pop("quantization", None),
         dtype=torch.bfloat16,
         hf_config=LlamaConfig(num_hidden_layers=2, **changes.pop("loaded_config", {})),
@@ -70,9 +68,7 @@ def engine_config(tmp_path, **changes):
         model_config=model,
         cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
         parallel_config=parallel,
-        load_config=SimpleNamespace(
-            load_format=changes.pop("load_format", "auto"), download_dir=changes.pop("download_dir", None)
-        ),
+        load_config=SimpleNamespace(load_format=changes.pop("load_format", "auto")),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=changes.pop("extra_config", {})),
     )
     groups = [KVCacheGroupSpec(layer_names=["layer.0", "layer.1"], kv_cache_spec=kv_spec)]
@@ -114,36 +110,12 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path) != base
 
 
-def test_a_hub_model_is_identified_by_its_downloaded_snapshot(tmp_path):
-    """A hub model named without a revision: its snapshot in the download cache (a folder named by
-    its commit) is fingerprinted, so the model updated on the hub (the branch moved to another
-    commit) is another namespace, and the same commit named by its hash is the same one."""
-    cache = tmp_path / "hub"
-    repo = cache / "models--org--model"
-    commits = ["a" * 40, "b" * 40]
-    for index, commit in enumerate(commits):
-        (repo / "snapshots" / commit).mkdir(parents=True)
-        (repo / "snapshots" / commit / "model.safetensors").write_bytes(b"weights %d" % index)
-    (repo / "refs").mkdir()
-
-    def hub_digest(**changes) -> str:
-        return digest(tmp_path, model="org/model", download_dir=str(cache), **changes)
-
-    (repo / "refs" / "main").write_text(commits[0])
-    first = hub_digest()
-    assert hub_digest(revision=commits[0]) != first  # (a revision named is in the namespace itself)
-    assert spec_of(tmp_path, model="org/model", download_dir=str(cache)).extra["files"] == files_fingerprint(
-        repo / "snapshots" / commits[0]
-    )
-    (repo / "refs" / "main").write_text(commits[1])
-    assert hub_digest() != first
-    assert "files" not in spec_of(tmp_path, model="org/not-downloaded", download_dir=str(cache)).extra
-
-
 def test_the_scheduler_connector_registers_its_models_files(tmp_path):
     """The scheduler's connector identifies its model while the engine starts, and its namespace
     carries the model directory's fingerprint (another copy of the files: the same one)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.model_files import files_fingerprint
 
     vllm_config, kv_cache_config = engine_config(tmp_path, extra_config={"address": f"unix://{tmp_path}/absent.sock"})
     connector = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)

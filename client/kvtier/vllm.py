@@ -165,10 +165,9 @@ def model_identity(vllm_config) -> dict[str, str]:
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
     (rope scaling, ...; a function by its code), where its weights come from when vLLM pulled the
     configs apart from them (model_weights: object storage), random weights (load_format dummy),
-    and for a local model (and config) directory or file, or a hub model's downloaded snapshot, the
-    names, sizes and contents of its model files (model_files: another model copied under the same
-    path, or another commit of a hub model, is another namespace; the same files copied anew are
-    not). Not the loaded HF config: model code may change it while the engine
+    and for a local model (and config) directory or file the names, sizes and contents of its model
+    files (model_files: another model copied under the same path is another namespace, the same
+    files copied anew are not). Not the loaded HF config: model code may change it while the engine
     loads the model, in this process or only in a worker's, so engines that should share would not."""
     model_config = vllm_config.model_config
     overrides = getattr(model_config, "hf_overrides", None) or {}
@@ -190,26 +189,10 @@ def model_identity(vllm_config) -> dict[str, str]:
         identity["model_weights"] = str(weights)
     if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy":
         identity["load_format"] = "dummy"
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    for key, name, revision, cache in (
-        ("files", model_config.model, model_config.revision, download_dir),
-        ("config_files", config_path, getattr(model_config, "_hf_config_revision", None), None),
-    ):
-        local = Path(str(name)) if name and os.path.exists(str(name)) else name and hub_snapshot(str(name), revision, cache)
-        if local:
-            identity[key] = files_fingerprint(local)
+    for key, path in (("files", model_config.model), ("config_files", config_path)):
+        if path and os.path.exists(str(path)):
+            identity[key] = files_fingerprint(Path(str(path)))
     return identity
-
-
-def hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
-    """The local snapshot of a hub model (where vLLM downloaded it: a folder named by its commit);
-    None when there is none (another hub, or not downloaded)."""
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
-
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
-    except Exception:  # noqa: BLE001 (not in the cache, or not a hub name: nothing to read)
-        return None
 
 
 def _code_digest(code) -> str:
