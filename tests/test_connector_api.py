@@ -53,7 +53,7 @@ def engine_config(tmp_path, **changes):
     kv_spec = changes.pop("kv_spec", None) or FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     model = SimpleNamespace(
         model=str(model_dir),
-        revision=None,
+        revision=changes.pop("revision", None),
         quantization=changes.pop("quantization", None),
         dtype=torch.bfloat16,
         hf_config=LlamaConfig(num_hidden_layers=2, **changes.pop("loaded_config", {})),
@@ -108,6 +108,22 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path) == base
     weights.write_bytes(b"other-w")  # other weights of the same size: another
     assert digest(tmp_path) != base
+
+
+def test_a_hub_models_revision_counts_as_the_commit_it_resolved_to(tmp_path):
+    """vLLM resolves a hub model's revision once, to a ResolvedRevision whose string is the branch
+    ("main"): the namespace takes its commit, so the model updated on the hub is another namespace,
+    and the same commit asked for by branch or by hash is the same one."""
+    import pickle
+
+    from huggingface_hub import ResolvedRevision
+
+    old, new = "a" * 40, "b" * 40
+    main = ResolvedRevision(old)
+    assert str(main) == "main" and pickle.loads(pickle.dumps(main)).resolved == old  # (as vLLM sends it on)
+    assert digest(tmp_path, revision=main) == digest(tmp_path, revision=ResolvedRevision(old, initial=old))
+    assert digest(tmp_path, revision=main) != digest(tmp_path, revision=ResolvedRevision(new))
+    assert digest(tmp_path, revision="v2") != digest(tmp_path)  # (a revision vLLM did not resolve: as given)
 
 
 def test_the_scheduler_connector_registers_its_models_files(tmp_path):

@@ -163,7 +163,8 @@ def check_supported(vllm_config, kv_cache_config, spec) -> None:
 def model_identity(vllm_config) -> dict[str, str]:
     """What besides its name makes a model's KV values: its revision, quantization and compute dtype,
     where its HF config comes from (hf_config_path, its revision, code_revision), its hf_overrides
-    (rope scaling, ...; a function by its code), where its weights come from when vLLM pulled the
+    (rope scaling, ...; a function by its code), a hub model's revisions as the commits vLLM resolved
+    them to (a branch moves), where its weights come from when vLLM pulled the
     configs apart from them (model_weights: object storage), random weights (load_format dummy),
     and for a local model (and config) directory or file the names, sizes and contents of its model
     files (model_files: another model copied under the same path is another namespace, the same
@@ -177,12 +178,12 @@ def model_identity(vllm_config) -> dict[str, str]:
         overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}:{digest}"
     config_path = getattr(model_config, "hf_config_path", None)
     identity = {
-        "revision": str(model_config.revision or ""),
+        "revision": _commit(model_config.revision),
         "quantization": str(getattr(model_config, "quantization", None) or ""),
         "dtype": str(getattr(model_config, "dtype", "")),
         "hf_overrides": json.dumps(overrides, sort_keys=True, default=str),
         "hf_config_path": str(config_path or ""),
-        "config_revision": str(getattr(model_config, "_hf_config_revision", None) or ""),
+        "config_revision": _commit(getattr(model_config, "_hf_config_revision", None)),  # (None: the model's repo)
         "code_revision": str(getattr(model_config, "code_revision", None) or ""),
     }
     if weights := getattr(model_config, "model_weights", ""):
@@ -193,6 +194,13 @@ def model_identity(vllm_config) -> dict[str, str]:
         if path and os.path.exists(str(path)):
             identity[key] = files_fingerprint(Path(str(path)))
     return identity
+
+
+def _commit(revision) -> str:
+    """A hub revision as the commit it resolved to: vLLM resolves each once, to a huggingface_hub
+    ResolvedRevision, whose string is the branch asked for ("main", which moves) and whose
+    `resolved` is the commit; any other revision as given."""
+    return str(getattr(revision, "resolved", None) or revision or "")
 
 
 def _code_digest(code) -> str:
