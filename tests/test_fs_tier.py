@@ -155,6 +155,28 @@ def test_restart_serves_the_same_blocks_byte_exact(fs_daemons):
     assert inspected.checksum == inspected.stored_checksum != 0
 
 
+def test_a_restart_registers_only_the_namespaces_holding_blocks_on_disk(fs_daemons):
+    """A namespace whose blocks are all gone (cleared, or evicted from the tier: after an upgrade
+    that changed how engines name their namespaces, say) is not registered again at start, where
+    it would take one of --max-namespaces for good; its engines can still register it."""
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        kept = client.register(spec(block_bytes=BLOCK, model_id="kept"))
+        cleared = client.register(spec(block_bytes=BLOCK, model_id="cleared"))
+        for ns in (kept, cleared):
+            client.store(ns, chain_hashes(ns.id, 3), contents(chain_hashes(ns.id, 3), BLOCK))
+        wait_on_disk(daemon, 6)
+    daemon.admin("Clear", namespace=cleared.id)
+    assert daemon.stop() == 0
+    assert (daemon.directory / "fs" / cleared.id).is_dir()  # (its directory stays)
+    again = fs_daemons("--max-namespaces", "2", directory=daemon.directory)
+    assert [n.namespace for n in again.admin("ListNamespaces").namespaces] == [kept.id]
+    with KVTierClient(again.address) as client:
+        assert client.register(spec(block_bytes=BLOCK, model_id="cleared")).id == cleared.id
+        ns = client.register(spec(block_bytes=BLOCK, model_id="kept"))
+        assert client.lookup(ns, chain_hashes(kept.id, 3)).hit_count == 3
+
+
 def stored_on_disk(fs_daemons, seed: str, count: int, *args: str):
     """A daemon with --fs-write-through (and `args`) that stored `count` blocks, all of them on disk by now."""
     daemon = fs_daemons("--fs-write-through", "true", *args)

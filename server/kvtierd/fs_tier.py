@@ -176,7 +176,9 @@ class FsTier:
 
     def open(self) -> list[pb.NamespaceSpec]:
         """Index the blocks already under the root (file names only; each file's header and checksum
-        are checked when it is first read). Returns the specs of the namespaces found."""
+        are checked when it is first read). Returns the specs of the namespaces found holding blocks
+        (an empty one, cleared or evicted, would only take one of --max-namespaces: its engines
+        register it again)."""
         started = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         if self.settings.direct_io:
@@ -209,7 +211,8 @@ class FsTier:
                     continue
                 self.index.add_many(directory.name, scanned.hashes, scanned.spec.block_bytes)
                 self._spec_written.add(directory.name)
-                specs.append(scanned.spec)
+                if scanned.hashes:
+                    specs.append(scanned.spec)
                 strays += scanned.strays
                 listed += scanned.listed
         excess = [self._path(e) for e in self.index.over_capacity()]
