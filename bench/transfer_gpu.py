@@ -178,8 +178,8 @@ def main() -> None:
         "segment's addresses from the block ids and pool pages; loads from consecutive pool pages: the copy engines, "
         "in chunks each checksummed in HBM while the next moves (blocks that all follow each other on both sides, as "
         "in this benchmark: one cuMemcpyAsync a chunk into BLHNC, three shrinking chunks; one 2-D copy per layer a "
-        "chunk into LBHNC, cuMemcpy2DAsync, chunks of 64 or more blocks; other BLHNC loads: runs of whole blocks, "
-        "cuMemcpyBatchAsync); other loads: the kernel. The daemon's event loop polls each copy from shortly before "
+        "chunk into LBHNC, all in one cuMemcpy3DBatchAsync, chunks of 64 or more blocks; other BLHNC loads: runs of "
+        "whole blocks, cuMemcpyBatchAsync); other loads: the kernel. The daemon's event loop polls each copy from shortly before "
         "it can have ended",
         "layouts": layouts,
     }
