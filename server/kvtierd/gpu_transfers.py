@@ -407,7 +407,32 @@ def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
         end = run.offset + (cache.num_blocks - 1) * run.block_stride + run.size
         if end > cache.allocations[run.allocation].size_bytes:
             raise InvalidArgument(f"run {run} reaches byte {end}, beyond its allocation")
+    _check_runs_apart(cache, runs)
     return runs
+
+
+def _check_runs_apart(cache: pb.CudaKVCache, runs: list[Run]) -> None:
+    """No two runs share a byte in any two blocks: two copies into one engine byte would fail a good
+    block's check in place (allocations with one IPC handle are one memory, at their offsets). Runs
+    whose stretches over all blocks meet must interleave: one block stride, and within it windows
+    that do not meet (a layout with K and V of a block side by side). Runs are bounded (MAX_RUNS,
+    their ends by their allocations' sizes): their pairs are compared at once."""
+    if len(runs) < 2:
+        return
+    handles = {a.ipc_handle: i for i, a in enumerate(cache.allocations)}
+    memory = np.array([handles[cache.allocations[r.allocation].ipc_handle] for r in runs])
+    start = np.array([cache.allocations[r.allocation].offset + r.offset for r in runs], dtype=np.int64)
+    stride = np.array([r.block_stride for r in runs], dtype=np.int64)
+    size = np.array([r.size for r in runs], dtype=np.int64)
+    end = start + (cache.num_blocks - 1) * stride + size
+    meet = (memory[:, None] == memory) & (start[:, None] < end) & (start < end[:, None])
+    first, second = np.nonzero(np.triu(meet, k=1))
+    step = stride[first]
+    gap = (start[second] - start[first]) % np.maximum(step, 1)  # where the second run sits in the first's stride
+    apart = (cache.num_blocks > 1) & (step == stride[second]) & (size[first] <= gap) & (gap + size[second] <= step)
+    if not apart.all():
+        a, b = first[~apart][0], second[~apart][0]
+        raise InvalidArgument(f"runs {runs[a]} and {runs[b]} overlap: blocks would share memory")
 
 
 def _check_clock(engine_clock_ns: int) -> None:
