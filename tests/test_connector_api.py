@@ -66,7 +66,7 @@ def engine_config(tmp_path, **changes):
         setattr(parallel, name, value)
     vllm_config = SimpleNamespace(
         model_config=model,
-        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+        cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256", **changes.pop("cache", {})),
         parallel_config=parallel,
         load_config=SimpleNamespace(load_format=changes.pop("load_format", "auto")),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=changes.pop("extra_config", {})),
@@ -108,6 +108,20 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path) == base
     weights.write_bytes(b"other-w")  # other weights of the same size: another
     assert digest(tmp_path) != base
+
+
+def test_each_kv_cache_encoding_is_a_namespace_of_its_own(tmp_path):
+    """vLLM keeps every fp8 KV format in uint8 (the same torch dtype and block size): e4m3 bytes read
+    as e5m2 are other values, so each --kv-cache-dtype, and each set of layers left unquantized, is a
+    namespace of its own; the model's own dtype ("auto") keeps the namespace it had."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    fp8 = {"kv_spec": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.uint8)}
+    formats = [digest(tmp_path, cache={"cache_dtype": name}, **fp8) for name in ("fp8", "fp8_e4m3", "fp8_e5m2")]
+    assert len(set(formats)) == 3
+    assert digest(tmp_path, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}, **fp8) != formats[0]
+    assert digest(tmp_path, cache={"cache_dtype": "auto", "kv_cache_dtype_skip_layers": []}) == digest(tmp_path)
 
 
 def test_a_hub_models_revision_counts_as_the_commit_it_resolved_to(tmp_path):

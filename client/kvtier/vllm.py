@@ -135,8 +135,21 @@ def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig, identi
         hash_algorithm=str(cache_config.prefix_caching_hash_algo),
         hash_seed=bytes(none_hash).hex(),
         hash_bytes=len(none_hash) or 32,
-        extra={**identity, **{str(k): str(v) for k, v in config.namespace_extra.items()}},
+        extra={**identity, **kv_format(cache_config), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
     )
+
+
+def kv_format(cache_config) -> dict[str, str]:
+    """How the KV values are encoded beyond their torch dtype: vLLM keeps every fp8 format (fp8,
+    fp8_e4m3, fp8_e5m2) and other quantized caches in uint8, so the same bytes mean other values
+    under another --kv-cache-dtype; layers left out of the quantization change them too. Only when
+    set (the model's own dtype, "auto", is the torch dtype), so other namespaces stay as they were."""
+    encoding = {}
+    if (dtype := str(getattr(cache_config, "cache_dtype", "auto"))) != "auto":
+        encoding["kv_cache_dtype"] = dtype
+    if skipped := getattr(cache_config, "kv_cache_dtype_skip_layers", None):
+        encoding["kv_cache_dtype_skip_layers"] = ",".join(map(str, skipped))
+    return encoding
 
 
 def check_supported(vllm_config, kv_cache_config, spec) -> None:
