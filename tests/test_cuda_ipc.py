@@ -122,11 +122,28 @@ MALFORMED = {
         "torch ref",
     ),
     "overlapping blocks": (lambda c: setattr(c.runs[0], "block_stride", 2048), "overlap"),
+    # each block's second run is the next block's first (two blocks sharing memory)
+    "runs of two blocks in one place": (lambda c: two_runs(c, (0, 4096), (4096, 4096)), "overlap"),
+    "one run twice": (lambda c: two_runs(c, (0, 4096), (0, 4096)), "overlap"),
+    "runs of other strides crossing": (lambda c: two_runs(c, (0, 4096), (2048, 2048)), "overlap"),
+    # the same memory (one IPC handle) twice: the second allocation's offset leads into the first's blocks
+    "an allocation inside another": (lambda c: two_runs(c, (0, 4096), (0, 4096), second_allocation_at=8192), "overlap"),
     "too many runs": (
         lambda c: [c.runs.add(allocation=0, offset=8 * i, block_stride=4096, size_bytes=8) for i in range(1025)],
         "at most 1024",
     ),
 }
+
+
+def two_runs(cache: pb.CudaKVCache, first: tuple, second: tuple, second_allocation_at: int | None = None) -> None:
+    """The cache's block as two runs of 2 KiB, (offset, block stride) each; the second in a second
+    allocation of the same memory (one IPC handle) at `second_allocation_at`, if given."""
+    del cache.runs[:]
+    cache.runs.add(allocation=0, offset=first[0], block_stride=first[1], size_bytes=2048)
+    if second_allocation_at is not None:
+        cache.allocations.add().CopyFrom(cache.allocations[0])
+        cache.allocations[1].offset = second_allocation_at
+    cache.runs.add(allocation=len(cache.allocations) - 1, offset=second[0], block_stride=second[1], size_bytes=2048)
 
 
 @pytest.mark.parametrize("case", MALFORMED)
@@ -143,6 +160,51 @@ def test_a_malformed_cuda_kv_is_refused_before_any_cuda_call(start_daemon, case)
         assert not ns.cuda_registration and reason in ns.cuda_refused, ns.cuda_refused
         assert client.lookup(ns, [b"h" * 32]).hit_count == 0
     assert daemon.process.poll() is None
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        {"first": (0, 4096), "second": (2048, 4096)},  # K and V of a block side by side
+        {"first": (0, 2048), "second": (8192, 2048)},  # all blocks' K, then all blocks' V
+        {"first": (0, 2048), "second": (0, 2048), "second_allocation_at": 8192},  # V in a second view of the memory
+    ],
+)
+def test_runs_that_share_no_byte_pass_the_checks(start_daemon, runs):
+    """Layouts whose runs interleave or follow each other pass the overlap check (they are refused
+    further on only for this daemon's pool not being registered with CUDA)."""
+    daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
+    cache = well_formed_cache()
+    two_runs(cache, **runs)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=4096), cache)
+        assert not ns.cuda_registration and "not registered with CUDA" in ns.cuda_refused, ns.cuda_refused
+
+
+def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_daemon):
+    """A cuda_ipc Load releases the lease it names whether it succeeds or fails: refused before any
+    copy (no such registration, say), its blocks are not left pinned until the lease's TTL."""
+    daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=4096))
+        hashes = [bytes([i]) * 32 for i in range(4)]
+        assert client.store(ns, hashes, np.zeros((4, 4096), dtype=np.uint8)) == 4
+        lease = client.lookup(ns, hashes, pin=True).lease_id
+        assert daemon.admin("GetStats").pinned_blocks == 4
+        request = pb.LoadRequest(
+            session_id=client.state.session_id,
+            namespace=ns.id,
+            lease_id=lease,
+            transport=pb.TRANSPORT_CUDA_IPC,
+            cuda_ipc=pb.CudaIpcTarget(registration_id="no-such-registration", device_block_ids=[0, 1, 2, 3]),
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            client.data_socket.call("Load", request)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert daemon.admin("GetStats").pinned_blocks == 0
+        with pytest.raises(grpc.RpcError) as released:
+            client.release(lease)
+        assert released.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_a_registration_serves_only_its_own_namespace():
@@ -248,6 +310,51 @@ def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(star
     assert bad in {b.hash for b in daemon.admin("ListBlocks", namespace=namespace).blocks}
     again = results(engine(daemon.address, [*load, {"check": list(range(8, 16)), "seed": 5}], "BLHNC"))
     assert again[0]["loaded"] and again[1]["matches"]
+
+
+@gpu
+def test_a_load_the_engine_writes_over_fails_but_the_pool_keeps_its_good_blocks(start_daemon):
+    """An engine writing into a load's target blocks while the daemon copies (a bug on its side):
+    the load fails its check in place and the engine recomputes, but the blocks' pool bytes are read
+    again before anything is dropped, and being intact they stay for every other engine."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    geometry = Geometry(**GEOMETRY)
+    with KVTierClient(daemon.address, timeout=30) as client:
+        buffer, kv, ns = registered_cache(client)
+        hashes, data = block_hashes(14, 8), seeded_blocks(geometry, 14, 8)
+        assert client.store(ns, hashes, data.cpu().numpy()) == 8
+        targets = buffer.view(torch.uint8)[16 * geometry.block_bytes : 24 * geometry.block_bytes]  # (BLHNC: blocks 16-23)
+        scattered = torch.randint(0, targets.numel(), (1 << 26,), device=targets.device)
+        scribbler = torch.cuda.Stream()
+        with torch.cuda.stream(scribbler):  # zeros written all over the targets for a good while
+            for _ in range(200):
+                targets.index_fill_(0, scattered, 0)
+        with pytest.raises(grpc.RpcError) as failed:
+            client.load_cuda(ns, list(range(16, 24)), hashes)
+        scribbler.synchronize()
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+        assert client.lookup(ns, hashes).hit_count == 8
+        assert client.load_cuda(ns, list(range(16, 24)), hashes) == 8
+        assert torch.equal(targets.view(8, -1), data)
+    assert "intact in the pool; kept" in daemon.log() and "dropped" not in daemon.log()
+
+
+@gpu
+def test_a_layer_major_load_ending_at_the_pools_and_the_caches_last_bytes_is_byte_exact(start_daemon):
+    """A load's 2-D copies (one per layer, a row per block) whose rows end at the pool's last byte and
+    the cache's: each copy's pitch reaches past its last row, which the driver must not read."""
+    geometry = Geometry(**GEOMETRY)
+    size = geometry.num_blocks * geometry.block_bytes
+    daemon = start_daemon("--pool-size", str(size))  # room for the whole cache and no more
+    with KVTierClient(daemon.address, timeout=30) as client:
+        _, kv, ns = registered_cache(client, "LBHNC")
+        hashes, data = block_hashes(15, geometry.num_blocks), seeded_blocks(geometry, 15, geometry.num_blocks)
+        assert client.store(ns, hashes, data.cpu().numpy()) == geometry.num_blocks
+        last = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[-1])
+        page_size = daemon.admin("GetInfo").pool.page_size
+        assert (decode_page_ids(last.page_ids, len(last.page_ids) // 4)[0, -1] + 1) * page_size == size
+        assert client.load_cuda(ns, list(range(geometry.num_blocks)), hashes) == geometry.num_blocks
+        assert torch.equal(torch.cat([run.rows for run in kv.runs], dim=1), data)
 
 
 def registered_cache(client: KVTierClient, layout: str = "BLHNC"):

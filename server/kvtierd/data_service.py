@@ -241,16 +241,21 @@ class DataService(pb_grpc.KVTierServicer):
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
         session, ns = self._session_namespace(request.session_id, request.namespace)
         transport = _check_transport(request.transport)
-        registration = (
-            self.gpu.registration(session.id, request.cuda_ipc.registration_id, ns.id)
-            if transport == pb.TRANSPORT_CUDA_IPC
-            else None
-        )
         if request.lease_id:
             lease = self.store.lease(session.id, request.lease_id)
-            if lease.namespace is not ns:
+        try:
+            registration = (
+                self.gpu.registration(session.id, request.cuda_ipc.registration_id, ns.id)
+                if transport == pb.TRANSPORT_CUDA_IPC
+                else None
+            )
+            if request.lease_id and lease.namespace is not ns:
                 raise InvalidArgument(f"lease {lease.id} is for namespace {lease.namespace.id}, not {ns.id}")
-        else:
+        except KVTierError:
+            if request.lease_id and transport == pb.TRANSPORT_CUDA_IPC:  # (its lease goes with the call, refused or not)
+                self.store.release(session.id, lease.id)
+            raise
+        if not request.lease_id:
             _, lease = await self._find(session.id, ns, self.store.split_hashes(ns, request.hashes), pin=True)
             if lease is None:
                 return pb.LoadResponse(block_count=0)
@@ -299,28 +304,49 @@ class DataService(pb_grpc.KVTierServicer):
                 expected = self.store.checksum[lease.slots]
                 response = pb.LoadResponse(block_count=count, checksums=checksum.encode(expected))
 
-            with self.metrics.cuda_copy_seconds.labels("load").time(), self.store.in_use(lease):
-                sums = await self.gpu.load(registration, targets, pages, target.deadline_ns, meanwhile=prepare_answer)
-                bad = checksum.mismatched(sums, expected)
-                corrupt = bool(bad.any())
-                if answer_now is not None and not corrupt:
-                    answer_now(response)  # the moment the bytes are seen in place
-            self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
+            with self.store.in_use(lease):
+                with self.metrics.cuda_copy_seconds.labels("load").time():
+                    sums = await self.gpu.load(registration, targets, pages, target.deadline_ns, meanwhile=prepare_answer)
+                    bad = checksum.mismatched(sums, expected)
+                    if answer_now is not None and not bad.any():
+                        answer_now(response)  # the moment the bytes are seen in place
+                self.metrics.cuda_copy_bytes.labels("load").inc(count * ns.block_bytes)
+                if bad.any():  # (the lease still pins the blocks while their pool bytes are read again)
+                    self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
+                    await self._drop_corrupt(lease, bad)
+                    raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
             late_ms = (time.monotonic_ns() - target.deadline_ns) / 1e6
             if target.deadline_ns and late_ms > 0:  # (the engine waits a while longer; it should not happen)
                 log.warning("cuda_ipc load seen done after its deadline", extra={"session": session_id, "late_ms": late_ms})
-            if corrupt:
-                self.metrics.cuda_checksum_failures.inc(int(bad.sum()))
-                self._drop_corrupt(ns, [block.hash for block, failed in zip(lease.blocks, bad.tolist(), strict=True) if failed])
-                raise DataLoss(f"{int(bad.sum())} of {count} blocks failed their checksum after the copy; recompute them")
             return response
         finally:
             with contextlib.suppress(NotFound):  # it expired during the copy: nothing left to release
                 self.store.release(session_id, lease.id)
 
-    def _drop_corrupt(self, ns: Namespace, hashes: list[bytes]) -> None:
-        """Blocks whose bytes failed their checksum leave both tiers, so the engine's next store of
-        them (after it recomputed them) replaces them instead of finding them there."""
+    async def _drop_corrupt(self, lease: Lease, bad: np.ndarray) -> None:
+        """Of a load's blocks that failed their check after the copy (`bad`), those whose bytes in the
+        pool fail it too leave both tiers, so the engine's next store of them replaces them. Their pool
+        bytes are read again on a worker thread (the lease pins them). A block whose pool bytes are
+        intact stays: the copy went wrong on the engine's side (its KV cache changed under the load,
+        or two of its blocks share memory), and other engines still load it. A block the lease holds
+        that meanwhile left the namespace (another block of that hash in its place) is not touched."""
+        ns = lease.namespace
+        suspects = [block for block, failed in zip(lease.blocks, bad.tolist(), strict=True) if failed]
+        pages = decode_page_ids(b"".join(block.pages for block in suspects), ns.pages_per_block)
+        stored = self.store.checksum[[block.slot for block in suspects]]
+        view = self.pool.view
+        actual = await asyncio.to_thread(
+            lambda: np.array([checksum.block_checksums(view.read_blocks(p[np.newaxis], ns.block_bytes))[0] for p in pages])
+        )
+        corrupt = checksum.mismatched(actual, stored).tolist()
+        hashes = [b.hash for b, failed in zip(suspects, corrupt, strict=True) if failed and ns.blocks.get(b.hash) is b]
+        if len(hashes) < len(suspects):
+            log.warning(
+                "blocks failed their checksum on a load but are intact in the pool; kept",
+                extra={"namespace": ns.id, "blocks": len(suspects) - len(hashes)},
+            )
+        if not hashes:
+            return
         self.store.delete(ns, hashes)
         if self.fs is not None:
             self.fs.delete(ns.id, hashes)
