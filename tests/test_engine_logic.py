@@ -175,6 +175,9 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
     assert [(j.block_ids, j.hashes) for j in plan.stores] == [([14, 15], hashes[4:6])]  # loaded blocks are not stored again
     planner.on_transfers({"r1"}, {"r1"})
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (0, False)  # never offered again
+    # the blocks it recomputes are stored again, once recomputed (a worker whose part failed gets its copy back)
+    assert planner.plan_step([("r1", 2 * BLOCK_TOKENS, hashes, list(range(10, 16)))]).stores[0].block_ids == [10, 11]
+    assert planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16)))]).stores[0].block_ids == [12, 13, 14, 15]
 
 
 def test_calls_stay_within_the_daemons_batch_limit(start_daemon):
@@ -555,3 +558,44 @@ def test_gpu_stores_waiting_for_a_slow_daemon_are_bounded(link):
     wait(lambda: busy.done() and worker._pending_gpu_stores == 0, timeout=30)  # (each then fails: no to_pool)
     worker.save([StoreJob("after", [0], chain_hashes("after", 1))])
     assert cache.ready == MAX_PENDING_GPU_STORES + 1
+
+
+def test_a_prefix_one_tensor_parallel_rank_lacks_is_stored_again_by_the_request_that_missed(daemon):
+    """The lookup asks rank 0's namespace; a rank that skipped (or lost) its copy of the blocks fails
+    the load, and the request recomputes them. Its stores put that rank's copy back (rank 0's are
+    no-ops), so the next request with the prefix loads on every rank instead of missing for good."""
+    tp = engine_spec()
+    tp.tp_size = 2
+    raw = tp.SerializeToString(deterministic=True)
+    links = [DaemonLink(daemon.address, f"rank{rank}", timeout=10.0, reconnect_interval=0.2) for rank in range(3)]
+    try:
+        ranks = []
+        for rank in range(2):
+            worker = BlockTransfers(links[rank], LayerMajorKV(kv_cache(rank)), tp_rank=rank)
+            worker.configure(raw)
+            ranks.append(worker)
+        links[2].set_namespace_spec(tp)
+        planner = PrefixPlanner(links[2], BLOCK_TOKENS, raw, lookup_wait_s=5.0)
+        hashes, prompt, block_ids = chain_hashes("tp", 4), 4 * BLOCK_TOKENS + 1, [8, 9, 10, 11, 12]
+        ranks[0].save([StoreJob("seed", [0, 1, 2, 3], hashes)])  # rank 1 skipped its store of this step
+        wait(lambda: ranks[0].stats.stored_blocks == 4)
+        for req_id, rank_1_has_them in (("missed", False), ("hit", True)):
+            assert planner.matched_tokens(req_id, hashes, prompt, 0, None) == (None, False)
+            planner.plan_step([])
+            wait(lambda req_id=req_id: planner.matched_tokens(req_id, hashes, prompt, 0, None) != (None, False))
+            assert planner.matched_tokens(req_id, hashes, prompt, 0, None) == (4 * BLOCK_TOKENS, True)
+            planner.after_alloc(req_id, block_ids, 4 * BLOCK_TOKENS)
+            loads = planner.plan_step([]).loads
+            for worker in ranks:
+                worker.start_loads(loads)
+            outcomes = [drain_loads(worker) for worker in ranks]
+            assert outcomes[0] == ({req_id}, set()) and outcomes[1] == ({req_id}, set() if rank_1_has_them else {req_id})
+            planner.on_transfers({req_id}, set().union(*(failed for _, failed in outcomes)))
+            stores = planner.plan_step([(req_id, prompt, hashes, block_ids)]).stores  # (recomputed, when it failed)
+            assert [job.hashes for job in stores] == ([] if rank_1_has_them else [hashes])
+            for worker in ranks:
+                worker.save(stores)
+            wait(lambda: ranks[1].stats.stored_blocks == 4)  # (this request's store, or the one before)
+    finally:
+        for link in links:
+            link.close()

@@ -3,7 +3,10 @@
 Lookups never block the scheduler: a request's first query is queued and answered "not known yet"
 (vLLM asks again next step); queued queries go to the daemon as one LookupBatch per step. Only blocks
 the daemon reported present are promised, always leaving the last prompt token to compute. A request
-whose load failed is not offered a hit again (that would loop).
+whose load failed is not offered a hit again (that would loop), and the blocks it recomputes are
+stored again: the load may have failed for one worker's blocks alone (a TP rank or pipeline stage
+that skipped or lost them while the lookup, which asks the first rank's namespace, found them), and
+only a store puts them back (the other workers' stores of blocks they hold are no-ops).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class PrefixPlanner:
         self._loads = []
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)
-            if state is None or state.failed:
+            if state is None:
                 continue
             full = min(computed // self.block_size, len(hashes), len(block_ids), state.store_limit)
             if full > state.stored_upto:
@@ -157,12 +160,14 @@ class PrefixPlanner:
         return plan
 
     def on_transfers(self, loaded: set[str], failed: set[str]) -> None:
-        """vLLM's update_connector_output: remember failed loads so they are not offered again."""
+        """vLLM's update_connector_output: remember failed loads so they are not offered again; the
+        blocks the request recomputes are stored (vLLM counts them computed only once recomputed)."""
         self._loading -= loaded
         for req_id in failed:
             state = self._requests.get(req_id)
             if state is not None:
                 state.failed = True
+                state.stored_upto = min(state.stored_upto, state.local_blocks)
                 self.stats.load_failures += 1
                 log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
