@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -363,6 +364,37 @@ def test_a_link_closed_after_its_thread_stopped_still_ends_its_session(daemon):
     wait(lambda: not daemon.admin("ListEngines").engines, timeout=10)
 
 
+def resident_pool_bytes(path: str) -> int:
+    """How much of the pool file this process has mapped in (its Rss in /proc/self/smaps)."""
+    resident, in_pool = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's first line: its address range, ..., its path
+            in_pool = line.endswith(path)
+        elif in_pool and line.startswith("Rss:"):
+            resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.parametrize("map_pool", [False, True])
+def test_only_engines_that_copy_through_the_pool_map_it_at_start(start_daemon, map_pool):
+    """A scheduler, or a GPU worker whose copies the daemon makes, never touches the pool: mapping
+    all of a large pool at start cost every such process its page tables and seconds."""
+    daemon = start_daemon("--pool-size", "64MiB")
+    path = daemon.admin("GetInfo").pool.shm_path
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        link.connect_soon(map_pool=map_pool)
+        wait(lambda: daemon.admin("ListEngines").engines)
+        if map_pool:
+            wait(lambda: resident_pool_bytes(path) == 64 << 20)
+        else:
+            assert link.submit(lambda client, ns: client.lookup(ns, chain_hashes("x", 2)).hit_count).result() == 0
+            assert resident_pool_bytes(path) == 0
+    finally:
+        link.close()
+
+
 def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     """A request that arrives while the link is still connecting is asked again, not answered "miss"."""
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers
@@ -373,7 +405,7 @@ def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     planner = PrefixPlanner(link, BLOCK_TOKENS, b"spec", lookup_wait_s=30.0)
     hashes = chain_hashes("connecting", 4)
     try:
-        link.connect_soon()
+        link.connect_soon(map_pool=True)
         assert link.available
         assert planner.matched_tokens("r1", hashes, 4 * BLOCK_TOKENS + 1, 0, None) == (None, False)
         planner.plan_step([])  # the lookup queues behind the connect

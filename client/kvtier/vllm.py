@@ -266,7 +266,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._failed_loads: set[str] = set()
         self._vllm_config = vllm_config
-        self._link.connect_soon()
+        self._link.connect_soon(map_pool=role == KVConnectorRole.WORKER and not _on_gpu(vllm_config))
         self._identity: dict[str, str] = {}
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(self._kv_transfer_config)

@@ -97,12 +97,18 @@ class DaemonLink:
             self._drop(str(exc))
             raise DaemonUnavailable(str(exc)) from exc
 
-    def connect_soon(self) -> None:
-        """Open the session in the background now, so the first real call finds it ready."""
+    def connect_soon(self, map_pool: bool) -> None:
+        """Open the session in the background now, so the first real call finds it ready; with
+        `map_pool` (an engine that copies through the pool: shm), map all of the pool too, so copies
+        take no page faults. Others never touch it (a scheduler; a GPU worker whose copies the daemon
+        makes), and mapping a large pool costs each process its page tables (about 2 MiB a GiB) and
+        its link thread seconds."""
 
         def connect() -> None:
             try:
-                self._session().state.pool().populate()
+                session = self._session()
+                if map_pool:
+                    session.state.pool().populate()
             except (DaemonUnavailable, OSError):
                 pass
 
