@@ -546,6 +546,21 @@ def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypa
     stuck_gate.set()
 
 
+def test_a_preemption_drops_no_other_requests_store_of_the_step(link):
+    """A step's store call carries every request of the step. Preempting one of them drops the call
+    only if no other request shares it (it is awaited instead): the others' blocks still get stored."""
+    worker, _ = transfers(link, seed=5)
+    worker.delay_frees = True
+    busy = threading.Event()
+    link.submit(lambda client, ns: busy.wait(30))  # the link thread busy: the next calls wait in its queue
+    shared, alone = device_call(link, 5.0), device_call(link, 5.0)
+    worker._device_stores.update({"preempted": [shared, alone], "running": [shared]})
+    threading.Timer(0.3, busy.set).start()
+    worker.fence({"preempted"})
+    assert alone.future.cancelled()  # only the preempted request's: dropped while still queued
+    assert shared.future.result(timeout=0) == 1 and worker._device_stores == {"running": [shared]}
+
+
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):
     """A GPU KV cache whose CUDA IPC export fails (memory cudaIpcGetMemHandle cannot share, such as a
     sleep-mode allocator's): the worker registers without it and keeps the cache (the engine copies,

@@ -372,10 +372,13 @@ class BlockTransfers:
     def fence(self, req_ids: set[str]) -> None:
         """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
         dropped, and the ones under way are awaited until they hold the blocks no more (at the latest
-        their deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline)."""
+        their deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A
+        step's store call carries every request of the step: one that other requests share is not
+        dropped (their blocks are still theirs to store) but awaited too."""
         calls = [call for r in req_ids for call in self._device_stores.pop(r, [])]
         self._finishing -= req_ids
-        under_way = [call for call in calls if not call.future.cancel()]  # cancel() works for calls still queued
+        shared = {id(call) for others in self._device_stores.values() for call in others}
+        under_way = [call for call in calls if id(call) in shared or not call.future.cancel()]  # (cancel(): still queued)
         if not under_way:
             return
         latest_ns = max(call.hold_end_ns for call in under_way)
