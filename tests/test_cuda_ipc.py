@@ -313,6 +313,20 @@ def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(star
 
 
 @gpu
+def test_a_gpus_link_is_measured_at_its_first_registration(start_daemon):
+    """The daemon expects each copy's end at the GPU's own link rate (at least PCIe Gen5's): a
+    faster link (NVLink-C2C) is not waited on as if it were PCIe."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    with KVTierClient(daemon.address, timeout=30) as client:
+        registered_cache(client)
+        registered_cache(client, "LBHNC")  # (the same GPU: measured once)
+    measured = [line for line in daemon.log().splitlines() if "cuda_ipc link measured" in line]
+    assert len(measured) == 1
+    rate = float(measured[0].split("GBps=")[1].split()[0])
+    assert 55 <= rate < 2000, measured
+
+
+@gpu
 def test_a_load_the_engine_writes_over_fails_but_the_pool_keeps_its_good_blocks(start_daemon):
     """An engine writing into a load's target blocks while the daemon copies (a bug on its side):
     the load fails its check in place and the engine recomputes, but the blocks' pool bytes are read

@@ -126,6 +126,17 @@ def test_link_clock_queues_a_lane_and_shares_the_link_between_lanes():
     assert abs(started(0.5, b, False, 10 * ms) - 0.510) < 1e-12  # the others have ended
 
 
+def test_a_faster_link_is_expected_to_end_its_copies_sooner():
+    """A GPU whose link was measured faster (NVLink-C2C, PCIe Gen6) gets its copies expected at its
+    own rate: the daemon neither sleeps past their end nor refuses copies that would meet their
+    deadline. Another GPU keeps the default."""
+    fast, default = Lane("cuda:0", "a"), Lane("cuda:1", "a")
+    clock = gpu_transfers.LinkClock(rates={"cuda:0": 8 * gpu_transfers.LINK_BYTES_PER_S})
+    size = int(gpu_transfers.LINK_BYTES_PER_S / 10)  # 0.1 s at the default rate
+    assert abs(clock.expected_end(0.0, fast, False, size) - 0.0125) < 1e-12
+    assert abs(clock.expected_end(0.0, default, False, size) - 0.1) < 1e-12
+
+
 def transfers_with(launch) -> tuple[gpu_transfers.GpuTransfers, gpu_transfers.CudaRegistration]:
     """A daemon's GpuTransfers on a CPU, with one registration, whose copies `launch` enqueues."""
     transfers = gpu_transfers.GpuTransfers(pool_address=0, page_size=4096, pool_registered=True)

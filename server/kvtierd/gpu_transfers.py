@@ -51,7 +51,9 @@ from kvtierd.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 log = logging.getLogger("kvtierd.gpu")
 
 LANES_PER_DEVICE = 4  # copies in flight per GPU before they queue behind each other
-LINK_BYTES_PER_S = 55e9  # the fastest a copy moves over PCIe (Gen5 x16): before that it cannot have ended
+LINK_BYTES_PER_S = 55e9  # the least a GPU's link is taken to move (PCIe Gen5 x16); a faster one is measured
+LINK_MARGIN = 1.02  # a measured link is taken to move this much faster (a copy is never expected after its end)
+LINK_PROBE_BYTES = 64 << 20  # each way, three times, when a GPU gets its first registration
 POLL_EARLY_S = 0.001  # polling starts this long before (uvloop's timers count whole milliseconds)
 FAST_POLL_S = 0.002  # then every turn of the loop until this long past the expected end, then
 SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU generation, contention)
@@ -136,9 +138,12 @@ class GpuTransfers:
             bases = np.array([s.data_ptr() for s in storages], dtype=np.int64)
             layout = GpuLayout.on(template, bases, self.page_size, torch.device("cuda", device_index))
             if device_index not in self._lanes:  # (before the registration is kept: this may fail too)
-                lanes = [CopyLane.on(torch.device("cuda", device_index)) for _ in range(LANES_PER_DEVICE)]
+                device = torch.device("cuda", device_index)
+                lanes = [CopyLane.on(device) for _ in range(LANES_PER_DEVICE)]
+                rate = self._clock.rates[device] = max(LINK_BYTES_PER_S, LINK_MARGIN * _link_bytes_per_s(torch, device))
                 self._lanes[device_index] = lanes
                 self._next_lane[device_index] = itertools.cycle(lanes)
+                log.info("cuda_ipc link measured", extra={"device": device_index, "GBps": round(rate / 1e9, 1)})
         registration = CudaRegistration(
             id=uuid.uuid4().hex,
             session_id=session_id,
@@ -301,25 +306,46 @@ class GpuTransfers:
 @dataclass
 class LinkClock:
     """The soonest each copy can end, in the event loop's time. A lane's copies run one after another
-    (its streams). Copies on a GPU's other lanes in the same direction share the PCIe link with it:
-    at LINK_BYTES_PER_S shared fairly, each of them moves min(its remaining bytes, this copy's size)
+    (its streams). Copies on a GPU's other lanes in the same direction share its link with it: at
+    the link's rate (`rates`, per device: measured when the GPU gets its first registration, at least
+    LINK_BYTES_PER_S) shared fairly, each of them moves min(its remaining bytes, this copy's size)
     before this one ends (processor sharing), so a small copy is not queued behind a large one."""
 
+    rates: dict = field(default_factory=dict)  # device -> the most bytes per second its link moves each way
     _lane_end: dict = field(default_factory=dict)  # lane -> end of its last copy
     _direction_ends: dict = field(default_factory=dict)  # (device, to pool) -> {lane: end of its last copy}
 
     def expected_end(self, now: float, lane, to_pool: bool, size: int) -> float:
         """When a copy of `size` bytes started on `lane` now could end (`book` it once started)."""
+        rate = self.rates.get(lane.device, LINK_BYTES_PER_S)
         start = max(now, self._lane_end.get(lane, now))
         sharing = self._direction_ends.get((lane.device, to_pool), {})
-        shared = sum(
-            min(size, (end - start) * LINK_BYTES_PER_S) for other, end in sharing.items() if other != lane and end > start
-        )
-        return start + (size + shared) / LINK_BYTES_PER_S
+        shared = sum(min(size, (end - start) * rate) for other, end in sharing.items() if other != lane and end > start)
+        return start + (size + shared) / rate
 
     def book(self, lane, to_pool: bool, end: float) -> None:
         """A copy ending at `end` was started on `lane`."""
         self._lane_end[lane] = self._direction_ends.setdefault((lane.device, to_pool), {})[lane] = end
+
+
+def _link_bytes_per_s(torch, device) -> float:
+    """The fastest of three pinned copies of LINK_PROBE_BYTES each way between host and `device`
+    (faster links than PCIe Gen5, such as NVLink-C2C, would otherwise be waited on as if they were)."""
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    fastest = 0.0
+    with torch.cuda.stream(stream):
+        for dst, src in [(gpu, host), (host, gpu)] * 3:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            fastest = max(fastest, LINK_PROBE_BYTES / (start.elapsed_time(end) / 1000))
+    del host, gpu
+    torch.cuda.empty_cache()  # (the probe's GPU memory back to the device, not kept in torch's cache)
+    return fastest
 
 
 async def _engine_ready(registration: CudaRegistration, event, deadline_ns: int) -> None:
