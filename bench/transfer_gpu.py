@@ -7,7 +7,7 @@ block-outermost (BLHNC) layouts, and one 170 MB prefix load end to end (one Load
 copy, checksum verification, answer; the daemon releases the blocks just after answering) against a
 raw memcpy of the same bytes. This process plays the engine (tests/fake_engine.py allocates its KV
 cache as vLLM 0.33 does). Every time is a median; a store or load time runs from the call to its
-answer (one call at a time back to back, or 4 in flight). Writes bench/results/transfer_gpu.json and
+answer (one call at a time back to back, or 4 in flight: the median of 3 runs). Writes bench/results/transfer_gpu.json and
 transfer_gpu.png. Usage: python bench/transfer_gpu.py [--rounds N]
 """
 
@@ -29,6 +29,7 @@ from kvtier.engine.gpu_kv import GpuKV  # noqa: E402
 
 LLAMA3_8B = Geometry(layers=32, heads=8, block_size=16, head_size=128, num_blocks=2048, dtype="bfloat16")
 CALLERS = 4  # sustained throughput: this many calls in flight (engines issue stores and loads asynchronously)
+WINDOWS = 3  # sustained throughput: the median of this many runs of `rounds` calls per caller
 BATCHES = [1, 16, 64, 512]
 PREFIX_BYTES = 170_000_000
 PREFIX_ROUND_FACTOR = 4  # the prefix's median is of this many times more calls (a few ms each; one-call times vary)
@@ -59,13 +60,17 @@ def timed(fn, rounds: int) -> float:
 
 
 def sustained_GBps(call, n: int, rounds: int) -> float:
-    """Bytes per second with CALLERS threads each issuing `rounds` calls `call(caller)` back to back."""
+    """Bytes per second with CALLERS threads each issuing `rounds` calls `call(caller)` back to back:
+    the median of WINDOWS such runs (as memcpy's figure is a median: one stall of the host, a
+    collection or another process, is not taken for the daemon's rate)."""
+    rates = []
     with ThreadPoolExecutor(CALLERS) as pool:
         list(pool.map(call, range(CALLERS)))  # warm-up
-        started = time.perf_counter()
-        list(pool.map(lambda caller: [call(caller) for _ in range(rounds)], range(CALLERS)))
-        seconds = time.perf_counter() - started
-    return CALLERS * rounds * n * LLAMA3_8B.block_bytes / seconds / 1e9
+        for _ in range(WINDOWS):
+            started = time.perf_counter()
+            list(pool.map(lambda caller: [call(caller) for _ in range(rounds)], range(CALLERS)))
+            rates.append(CALLERS * rounds * n * LLAMA3_8B.block_bytes / (time.perf_counter() - started) / 1e9)
+    return statistics.median(rates)
 
 
 def through_daemon(address: str, layout: str, rounds: int) -> dict:
@@ -100,7 +105,7 @@ def through_daemon(address: str, layout: str, rounds: int) -> dict:
             )
             if n < 64:
                 continue
-            ready, in_flight_batches = kv.record_ready(), fresh(n, CALLERS * (rounds + 1))
+            ready, in_flight_batches = kv.record_ready(), fresh(n, CALLERS * (WINDOWS * rounds + 1))
 
             def store_fresh(caller, n=n, ready=ready, batches=in_flight_batches):
                 assert client.store_cuda(ns, next(batches), list(range(caller * n, (caller + 1) * n)), ready) == n
@@ -165,8 +170,8 @@ def main() -> None:
         "load_GBps_512": min(layouts[lay]["load_sustained_GBps"][512] for lay in layouts),
         "store_ratio": store_ratio,
         "load_ratio": load_ratio,
-        "ratio_note": f"sustained ({CALLERS} calls in flight), worst of both layouts over batches of 64 and 512 blocks; "
-        "store vs d2h memcpy, load vs h2d",
+        "ratio_note": f"sustained ({CALLERS} calls in flight, median of {WINDOWS} runs of {rounds} calls each), worst of "
+        "both layouts over batches of 64 and 512 blocks; store vs d2h memcpy, load vs h2d",
         "single_call_store_ratio": call_store_ratio,
         "single_call_load_ratio": call_load_ratio,
         "single_call_note": "one call at a time, call to answer (RPC, pinning, copy, checksums, commit or release)",
