@@ -330,11 +330,17 @@ class LinkClock:
 
 def _link_bytes_per_s(torch, device) -> float:
     """The fastest of three pinned copies of LINK_PROBE_BYTES each way between host and `device`
-    (faster links than PCIe Gen5, such as NVLink-C2C, would otherwise be waited on as if they were)."""
+    (faster links than PCIe Gen5, such as NVLink-C2C, would otherwise be waited on as if they were).
+    The probe's GPU memory goes back to the device afterwards, not into torch's cache."""
+    fastest = max(_probe_copy_rates(torch, device))
+    torch.cuda.empty_cache()  # (once the probe's tensors are gone with its frame)
+    return fastest
+
+
+def _probe_copy_rates(torch, device) -> list[float]:
     host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    fastest = 0.0
+    stream, rates = torch.cuda.Stream(device), []
     with torch.cuda.stream(stream):
         for dst, src in [(gpu, host), (host, gpu)] * 3:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -342,10 +348,8 @@ def _link_bytes_per_s(torch, device) -> float:
             dst.copy_(src, non_blocking=True)
             end.record(stream)
             end.synchronize()
-            fastest = max(fastest, LINK_PROBE_BYTES / (start.elapsed_time(end) / 1000))
-    del host, gpu
-    torch.cuda.empty_cache()  # (the probe's GPU memory back to the device, not kept in torch's cache)
-    return fastest
+            rates.append(LINK_PROBE_BYTES / (start.elapsed_time(end) / 1000))
+    return rates
 
 
 async def _engine_ready(registration: CudaRegistration, event, deadline_ns: int) -> None:
