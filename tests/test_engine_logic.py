@@ -510,6 +510,31 @@ def test_a_copy_call_failing_without_the_daemon_being_done_holds_its_blocks_past
     assert finished == failed == {"broken"} and time.monotonic_ns() >= calls["broken"].hold_end_ns
 
 
+def test_a_load_whose_engine_copy_runs_past_its_hold_keeps_its_blocks_until_the_copy_ends(link, monkeypatch):
+    """shm on a GPU: the engine's own copy into the blocks runs on the link thread. Should it run
+    past the call's deadline and grace (a GPU crowded for seconds), the load is not reported before
+    it has ended: vLLM would hand the blocks to another request while the copy still writes them."""
+    monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.2)
+    worker, _ = transfers(link, seed=6)
+    copy_started, copy_may_end = threading.Event(), threading.Event()
+    call = DeviceCall.due_in(0.2)
+
+    def load(deadline_ns: int) -> int:
+        with call.engine_copy():
+            copy_started.set()
+            copy_may_end.wait(30)
+        return 1
+
+    call.future = link.submit(lambda client, ns: call.run(load, daemon_copies=False))
+    worker._loads["slow-copy"] = LoadJob("slow-copy", [0], chain_hashes("slow", 1)), call
+    copy_started.wait(10)
+    time.sleep((call.hold_end_ns - time.monotonic_ns()) / 1e9 + 0.1)  # past its deadline and grace
+    assert worker.finished_loads() == (set(), set())
+    copy_may_end.set()
+    wait(call.future.done)
+    assert worker.finished_loads() == ({"slow-copy"}, set())
+
+
 def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
     """The deadline is fixed when the call is submitted: one that waited for the link thread (behind
     a slow call, a reconnect) past it is not sent, and holds nothing."""

@@ -24,6 +24,7 @@ run (evicted meanwhile, corrupt, daemon gone) is reported as a failed load, so v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -87,6 +88,7 @@ class DeviceCall:
     deadline_ns: int
     future: Future | None = None
     _held_until_ns: int = 0
+    _engine_copies: int = 0  # the engine's own copies into its blocks under way (shm loads on a GPU)
 
     @classmethod
     def due_in(cls, seconds: float) -> DeviceCall:
@@ -113,9 +115,20 @@ class DeviceCall:
     def held_until_ns(self) -> int:
         return self._held_until_ns if self.future.done() else self.hold_end_ns
 
+    @contextlib.contextmanager
+    def engine_copy(self):
+        """The engine's own copy into the blocks runs meanwhile (on the link thread, waited for there):
+        the call is not settled before it has ended, whatever its deadline."""
+        self._engine_copies += 1
+        try:
+            yield
+        finally:
+            self._engine_copies -= 1
+
     def settled(self) -> bool:
-        """It holds the blocks no more (an unanswered call past its hold is given up)."""
-        return time.monotonic_ns() >= self.held_until_ns()
+        """It holds the blocks no more (an unanswered call past its hold is given up, unless the
+        engine's own copy into them is still under way: vLLM would hand them to another request)."""
+        return not self._engine_copies and time.monotonic_ns() >= self.held_until_ns()
 
 
 @dataclass(frozen=True)
@@ -211,9 +224,9 @@ class BlockTransfers:
             if loaded < len(job.hashes):
                 raise LoadFailed(f"{len(job.hashes) - loaded} of {len(job.hashes)} blocks gone since lookup")
             return loaded * ns.block_bytes
-        return call.run(lambda deadline_ns: self._load_from_pool(client, ns, job, deadline_ns), daemon_copies=False)
+        return call.run(lambda deadline_ns: self._load_from_pool(client, ns, job, call), daemon_copies=False)
 
-    def _load_from_pool(self, client: KVTierClient, ns: Namespace, job: LoadJob, deadline_ns: int) -> int | _Pinned:
+    def _load_from_pool(self, client: KVTierClient, ns: Namespace, job: LoadJob, call: DeviceCall) -> int | _Pinned:
         """Pin the blocks; a GPU cache copies them here (in runs of at most the daemon's
         max_batch_blocks), a CPU cache on the engine's thread. Nothing is copied or handed on past
         the deadline (by its grace after it the load is given up, and its blocks may be reused)."""
@@ -221,23 +234,24 @@ class BlockTransfers:
             limit = client.state.max_batch_blocks
             for start in range(0, len(job.hashes), limit):
                 end = start + limit
-                self._copy_from_pool(client, ns, job.hashes[start:end], job.block_ids[start:end], deadline_ns)
+                self._copy_from_pool(client, ns, job.hashes[start:end], job.block_ids[start:end], call)
             return len(job.block_ids) * ns.block_bytes
         result = client.lookup(ns, job.hashes, pin=True)
-        if result.hit_count == len(job.hashes) and time.monotonic_ns() < deadline_ns:
+        if result.hit_count == len(job.hashes) and time.monotonic_ns() < call.deadline_ns:
             return _Pinned(result, client.state.pool().view, client)  # released once the engine thread copied
         if result.lease_id:
             client.release(result.lease_id)
         raise _unusable(result, job.hashes)
 
     def _copy_from_pool(
-        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], deadline_ns: int
+        self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], call: DeviceCall
     ) -> None:
         result = client.lookup(ns, hashes, pin=True)
         try:
-            if result.hit_count < len(hashes) or time.monotonic_ns() >= deadline_ns:
+            if result.hit_count < len(hashes) or time.monotonic_ns() >= call.deadline_ns:
                 raise _unusable(result, hashes)
-            copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, block_ids)
+            with call.engine_copy():  # (a copy running past the call's hold keeps the blocks until it has ended)
+                copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, block_ids)
         finally:
             if result.lease_id:
                 client.release(result.lease_id)
