@@ -181,7 +181,8 @@ def test_runs_that_share_no_byte_pass_the_checks(start_daemon, runs):
         assert not ns.cuda_registration and "not registered with CUDA" in ns.cuda_refused, ns.cuda_refused
 
 
-def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_daemon):
+@pytest.mark.parametrize("refusal", ["no such registration", "no such namespace"])
+def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_daemon, refusal):
     """A cuda_ipc Load releases the lease it names whether it succeeds or fails: refused before any
     copy (no such registration, say), its blocks are not left pinned until the lease's TTL."""
     daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
@@ -193,7 +194,7 @@ def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_d
         assert daemon.admin("GetStats").pinned_blocks == 4
         request = pb.LoadRequest(
             session_id=client.state.session_id,
-            namespace=ns.id,
+            namespace="no-such-namespace" if refusal == "no such namespace" else ns.id,
             lease_id=lease,
             transport=pb.TRANSPORT_CUDA_IPC,
             cuda_ipc=pb.CudaIpcTarget(registration_id="no-such-registration", device_block_ids=[0, 1, 2, 3]),

@@ -395,6 +395,28 @@ def test_only_engines_that_copy_through_the_pool_map_it_at_start(start_daemon, m
         link.close()
 
 
+def test_a_gpu_worker_refused_cuda_ipc_maps_the_pool_once_registered(start_daemon):
+    """A GPU worker copies through the pool only when the daemon refuses its cache (cuda_ipc): the
+    pool is then mapped (and registered with CUDA where there is one) right after the registration,
+    not inside its first copy call."""
+    from kvtier.v1 import kvtier_pb2 as pb
+
+    daemon = start_daemon("--pool-size", "64MiB", "--cuda-register", "false")  # (cuda_ipc refused)
+    path = daemon.admin("GetInfo").pool.shm_path
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    allocation = pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_handle=b"/torch_1_2_0")
+    block_bytes = engine_spec().block_bytes
+    cache = pb.CudaKVCache(device_uuid="GPU-0", allocations=[allocation], num_blocks=4, ready_events=[b"e" * 64])
+    cache.runs.add(allocation=0, offset=0, block_stride=block_bytes, size_bytes=block_bytes)
+    link.set_cuda_kv(cache)
+    link.set_namespace_spec(engine_spec())
+    try:
+        assert not link.submit(lambda client, ns: ns.cuda_registration).result(timeout=10)
+        wait(lambda: resident_pool_bytes(path) == 64 << 20)
+    finally:
+        link.close()
+
+
 def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     """A request that arrives while the link is still connecting is asked again, not answered "miss"."""
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts connections, never answers
@@ -571,19 +593,26 @@ def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypa
     stuck_gate.set()
 
 
-def test_a_preemption_drops_no_other_requests_store_of_the_step(link):
-    """A step's store call carries every request of the step. Preempting one of them drops the call
-    only if no other request shares it (it is awaited instead): the others' blocks still get stored."""
+def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, monkeypatch):
+    """A step's store call carries every request of the step. Preempting one while the call still
+    waits for the link withdraws that request's blocks alone: the call goes again with the others'
+    (after the same ready event), and the fence does not wait for it."""
     worker, _ = transfers(link, seed=5)
     worker.delay_frees = True
+    sent = []  # what the link thread was asked to store (the copy itself needs a GPU)
+    monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append((ids, ready)) or len(ids))
     busy = threading.Event()
-    link.submit(lambda client, ns: busy.wait(30))  # the link thread busy: the next calls wait in its queue
-    shared, alone = device_call(link, 5.0), device_call(link, 5.0)
-    worker._device_stores.update({"preempted": [shared, alone], "running": [shared]})
-    threading.Timer(0.3, busy.set).start()
+    link.submit(lambda client, ns: busy.wait(30))  # the link thread busy: the step's call waits in its queue
+    hashes = chain_hashes("step", 4)
+    worker._device_stores.update({"preempted": [], "running": []})
+    worker._pending_gpu_stores = 1  # (as save counts the call)
+    worker._submit_gpu_store([StoreJob("preempted", [0, 1], hashes[:2]), StoreJob("running", [2, 3], hashes[2:])], ready=7)
+    started = time.monotonic()
     worker.fence({"preempted"})
-    assert alone.future.cancelled()  # only the preempted request's: dropped while still queued
-    assert shared.future.result(timeout=0) == 1 and worker._device_stores == {"running": [shared]}
+    assert time.monotonic() - started < 0.5 and worker.stats.store_skipped_blocks == 2
+    busy.set()
+    wait(lambda: worker.finished_stores({"running"}) == {"running"})
+    assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2 and worker._pending_gpu_stores == 0
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):

@@ -239,21 +239,22 @@ class DataService(pb_grpc.KVTierServicer):
 
     @unary
     async def Load(self, request: pb.LoadRequest, context) -> pb.LoadResponse:  # noqa: N802
-        session, ns = self._session_namespace(request.session_id, request.namespace)
-        transport = _check_transport(request.transport)
-        if request.lease_id:
-            lease = self.store.lease(session.id, request.lease_id)
         try:
+            session, ns = self._session_namespace(request.session_id, request.namespace)
+            transport = _check_transport(request.transport)
             registration = (
                 self.gpu.registration(session.id, request.cuda_ipc.registration_id, ns.id)
                 if transport == pb.TRANSPORT_CUDA_IPC
                 else None
             )
-            if request.lease_id and lease.namespace is not ns:
-                raise InvalidArgument(f"lease {lease.id} is for namespace {lease.namespace.id}, not {ns.id}")
+            if request.lease_id:
+                lease = self.store.lease(session.id, request.lease_id)
+                if lease.namespace is not ns:
+                    raise InvalidArgument(f"lease {lease.id} is for namespace {lease.namespace.id}, not {ns.id}")
         except KVTierError:
-            if request.lease_id and transport == pb.TRANSPORT_CUDA_IPC:  # (its lease goes with the call, refused or not)
-                self.store.release(session.id, lease.id)
+            if request.lease_id and request.transport == pb.TRANSPORT_CUDA_IPC:  # (its lease goes with the call, refused or not)
+                with contextlib.suppress(KVTierError):  # (unknown, or another session's: not ours to end)
+                    self.store.release(request.session_id, request.lease_id)
             raise
         if not request.lease_id:
             _, lease = await self._find(session.id, ns, self.store.split_hashes(ns, request.hashes), pin=True)

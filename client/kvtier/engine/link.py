@@ -151,6 +151,7 @@ class DaemonLink:
                 namespace = client.register(spec, cuda_kv)
                 if cuda_kv is not None and not namespace.cuda_registration:
                     log.warning("kvtierd refused cuda_ipc (%s); the engine copies through shared memory", namespace.cuda_refused)
+                    self._executor.submit(_map_pool_for_gpu_copies, client)
             except grpc.RpcError as exc:
                 self._drop(f"register failed: {exc.code().name}: {exc.details()}")
                 self._down_until = time.monotonic() + self.reconnect_interval  # (not a new session per call)
@@ -207,3 +208,13 @@ class DaemonLink:
             self._drop("engine shutting down", expected=True)  # finalizer), or the link thread is stuck in a call
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _map_pool_for_gpu_copies(client: KVTierClient) -> None:
+    """A GPU worker the daemon refused cuda_ipc copies through the pool itself: its mapping of the
+    pool, populated and registered with CUDA, is made now, on the link thread after the registration,
+    instead of inside its first copy call (seconds for a large pool, against that call's deadline)."""
+    try:
+        client.state.pool().cuda_address()
+    except Exception:  # noqa: BLE001 (the copies try again, and fail as misses)
+        log.warning("kvtier cannot register the pool with CUDA; the engine's copies will fail", exc_info=True)

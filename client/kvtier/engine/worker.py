@@ -87,6 +87,8 @@ class DeviceCall:
 
     deadline_ns: int
     future: Future | None = None
+    store_jobs: list[StoreJob] = field(default_factory=list)  # a store call's: its step's jobs
+    ready: int = 0  # a store call's: the ring's ready event it follows
     _held_until_ns: int = 0
     _engine_copies: int = 0  # the engine's own copies into its blocks under way (shm loads on a GPU)
 
@@ -248,9 +250,9 @@ class BlockTransfers:
     ) -> None:
         result = client.lookup(ns, hashes, pin=True)
         try:
-            if result.hit_count < len(hashes) or time.monotonic_ns() >= call.deadline_ns:
-                raise _unusable(result, hashes)
-            with call.engine_copy():  # (a copy running past the call's hold keeps the blocks until it has ended)
+            with call.engine_copy():  # (counted before the deadline is checked: the engine thread sees one or the other)
+                if result.hit_count < len(hashes) or time.monotonic_ns() >= call.deadline_ns:
+                    raise _unusable(result, hashes)
                 copied = self._gpu_kv.from_pool(client.state.pool(), result.page_ids, block_ids)
         finally:
             if result.lease_id:
@@ -310,17 +312,12 @@ class BlockTransfers:
                     self.stats.store_skipped_blocks += len(block_ids)
                     return
                 self._pending_gpu_stores += 1
-            call = DeviceCall.due_in(self.link.timeout)
             try:
-                ready = self._gpu_kv.record_ready()
-                call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
+                self._submit_gpu_store(jobs, self._gpu_kv.record_ready())
             except BaseException:
                 with self._lock:
                     self._pending_gpu_stores -= 1
                 raise
-            call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
-            for job in jobs:
-                self._device_stores[job.req_id].append(call)
             return
         size = len(block_ids) * self.kv.block_bytes
         with self._lock:
@@ -331,6 +328,18 @@ class BlockTransfers:
         layers = self.kv.snapshot(block_ids)
         future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
+
+    def _submit_gpu_store(self, jobs: list[StoreJob], ready: int) -> None:
+        """One store call for the jobs (a step's), after the ring's ready event `ready`, held by each
+        job's request (finished_stores and the preemption fence wait for it)."""
+        block_ids = [b for job in jobs for b in job.block_ids]
+        hashes = [h for job in jobs for h in job.hashes]
+        call = DeviceCall.due_in(self.link.timeout)
+        call.store_jobs, call.ready = jobs, ready
+        call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
+        call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
+        for job in jobs:
+            self._device_stores[job.req_id].append(call)
 
     def _store_gpu(  # noqa: PLR0913
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], ready: int, call: DeviceCall
@@ -359,6 +368,11 @@ class BlockTransfers:
         return _reserve_write_commit(client, ns, hashes, write)
 
     def _stored(self, future: Future, size: int, blocks: int, gpu_call: bool = False) -> None:
+        if future.cancelled():  # (only the preemption fence cancels: it counts what it withdrew)
+            with self._lock:
+                self._pending_store_bytes -= size
+                self._pending_gpu_stores -= gpu_call
+            return
         try:
             stored, error = future.result(), None
         except Exception as exc:  # noqa: BLE001 (a failed or cancelled store only costs a future miss)
@@ -385,14 +399,25 @@ class BlockTransfers:
 
     def fence(self, req_ids: set[str]) -> None:
         """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
-        dropped, and the ones under way are awaited until they hold the blocks no more (at the latest
+        withdrawn, and the ones under way are awaited until they hold the blocks no more (at the latest
         their deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A
-        step's store call carries every request of the step: one that other requests share is not
-        dropped (their blocks are still theirs to store) but awaited too."""
-        calls = [call for r in req_ids for call in self._device_stores.pop(r, [])]
+        step's store call carries every request of the step: one withdrawn while other requests share
+        it is sent again with theirs alone (after the same ready event)."""
+        calls = list({id(call): call for r in req_ids for call in self._device_stores.pop(r, [])}.values())
         self._finishing -= req_ids
-        shared = {id(call) for others in self._device_stores.values() for call in others}
-        under_way = [call for call in calls if id(call) in shared or not call.future.cancel()]  # (cancel(): still queued)
+        under_way = []
+        for call in calls:
+            if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
+                under_way.append(call)
+                continue
+            others = [job for job in call.store_jobs if job.req_id not in req_ids]
+            with self._lock:
+                self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs if job.req_id in req_ids)
+                self._pending_gpu_stores += bool(others)
+            for req_id in {job.req_id for job in others}:
+                self._device_stores[req_id].remove(call)
+            if others:
+                self._submit_gpu_store(others, call.ready)
         if not under_way:
             return
         latest_ns = max(call.hold_end_ns for call in under_way)
