@@ -120,7 +120,9 @@ def test_each_kv_cache_encoding_is_a_namespace_of_its_own(tmp_path):
     fp8 = {"kv_spec": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.uint8)}
     formats = [digest(tmp_path, cache={"cache_dtype": name}, **fp8) for name in ("fp8", "fp8_e4m3", "fp8_e5m2")]
     assert len(set(formats)) == 3
-    assert digest(tmp_path, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0"]}, **fp8) != formats[0]
+    skipping = digest(tmp_path, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["0", "2"]}, **fp8)
+    assert skipping != formats[0]
+    assert digest(tmp_path, cache={"cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["2", "0"]}, **fp8) == skipping
     assert digest(tmp_path, cache={"cache_dtype": "auto", "kv_cache_dtype_skip_layers": []}) == digest(tmp_path)
 
 

@@ -148,7 +148,7 @@ def kv_format(cache_config) -> dict[str, str]:
     if (dtype := str(getattr(cache_config, "cache_dtype", "auto"))) != "auto":
         encoding["kv_cache_dtype"] = dtype
     if skipped := getattr(cache_config, "kv_cache_dtype_skip_layers", None):
-        encoding["kv_cache_dtype_skip_layers"] = ",".join(map(str, skipped))
+        encoding["kv_cache_dtype_skip_layers"] = ",".join(sorted(map(str, skipped)))  # (a set: in any order)
     return encoding
 
 

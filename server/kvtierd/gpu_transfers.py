@@ -331,8 +331,13 @@ class LinkClock:
 def _link_bytes_per_s(torch, device) -> float:
     """The fastest of three pinned copies of LINK_PROBE_BYTES each way between host and `device`
     (faster links than PCIe Gen5, such as NVLink-C2C, would otherwise be waited on as if they were).
-    The probe's GPU memory goes back to the device afterwards, not into torch's cache."""
-    fastest = max(_probe_copy_rates(torch, device))
+    The probe's GPU memory goes back to the device afterwards, not into torch's cache. Without room
+    for it (a GPU the engines filled), LINK_BYTES_PER_S: the registration goes on."""
+    try:
+        fastest = max(_probe_copy_rates(torch, device))
+    except RuntimeError as exc:  # (torch.OutOfMemoryError among them)
+        log.warning("cuda_ipc link not measured; taken as PCIe Gen5", extra={"device": str(device), "reason": str(exc)})
+        fastest = LINK_BYTES_PER_S
     torch.cuda.empty_cache()  # (once the probe's tensors are gone with its frame)
     return fastest
 
