@@ -126,6 +126,24 @@ def test_each_kv_cache_encoding_is_a_namespace_of_its_own(tmp_path):
     assert digest(tmp_path, cache={"cache_dtype": "auto", "kv_cache_dtype_skip_layers": []}) == digest(tmp_path)
 
 
+def test_speculative_decoding_on_the_targets_hidden_states_drops_the_last_block_of_hits():
+    """As vLLM's scheduler decides for its own prefix cache (SpeculativeConfig.use_eagle_block_drop)."""
+    from vllm.config import SpeculativeConfig
+
+    from kvtier.vllm import drops_last_hit_block
+
+    def config(method, disable=False):
+        speculative = SpeculativeConfig.__new__(SpeculativeConfig)  # (a real one needs the draft model's files)
+        object.__setattr__(speculative, "method", method)
+        object.__setattr__(speculative, "disable_eagle_block_drop", disable)
+        return SimpleNamespace(speculative_config=speculative)
+
+    assert drops_last_hit_block(config("eagle3")) and drops_last_hit_block(config("mtp"))
+    assert not drops_last_hit_block(config("eagle", disable=True))
+    assert not drops_last_hit_block(config("ngram"))
+    assert not drops_last_hit_block(SimpleNamespace(speculative_config=None))
+
+
 def test_a_hub_models_revision_counts_as_the_commit_it_resolved_to(tmp_path):
     """vLLM resolves a hub model's revision once, to a ResolvedRevision whose string is the branch
     ("main"): the namespace takes its commit, so the model updated on the hub is another namespace,

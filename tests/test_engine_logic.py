@@ -181,6 +181,25 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
     assert planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16)))]).stores[0].block_ids == [12, 13, 14, 15]
 
 
+def test_with_eagle_the_last_block_of_a_hit_is_computed_again(link):
+    """Speculative decoding on the target's hidden states (EAGLE, MTP): the draft layers' KV of a
+    block's last token was computed with the token after it, which this request may not share with
+    the one that stored it. As vLLM does for its own prefix cache, a hit drops its last block."""
+    worker, _ = transfers(link, seed=1)
+    hashes = chain_hashes("eagle", 4)
+    worker.save([StoreJob("seed", list(range(4)), hashes)])
+    wait(lambda: worker.stats.stored_blocks == 4)
+    plain, eagle = planner_for(link), planner_for(link)
+    eagle.drop_last_hit_block = True
+    for planner in (plain, eagle):
+        assert planner.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) == (None, False)
+        planner.plan_step([])
+        wait(lambda planner=planner: planner.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) != (None, False))
+    assert plain.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) == (4 * BLOCK_TOKENS, True)
+    assert eagle.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) == (3 * BLOCK_TOKENS, True)
+    assert eagle.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 3 * BLOCK_TOKENS, None) == (0, False)
+
+
 def test_calls_stay_within_the_daemons_batch_limit(start_daemon):
     """A step's stores and lookups larger than --max-batch-blocks go in several calls (a long prompt's
     hit is its first max_batch_blocks blocks): one call over the limit was refused, and with it

@@ -296,6 +296,7 @@ class KVTierConnector(KVConnectorBase_V1):
             offload_prompt_only=self.config.offload_prompt_only,
             lookup_wait_s=self.config.lookup_wait_s,
             delay_free_for_stores=_on_gpu(self._vllm_config),
+            drop_last_hit_block=drops_last_hit_block(self._vllm_config),
         )
 
     @classmethod
@@ -464,6 +465,15 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded()
     def shutdown(self) -> None:
         self._link.close()
+
+
+def drops_last_hit_block(vllm_config) -> bool:
+    """Whether vLLM drops the last block of its own prefix cache hits (speculative decoding on the
+    target's hidden states: EAGLE, MTP; the draft layers' KV of that block was computed with the
+    tokens after it), and so must the connector's hits."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drops = getattr(speculative, "use_eagle_block_drop", None) or getattr(speculative, "use_eagle", None)
+    return bool(drops and drops())
 
 
 def _on_gpu(vllm_config) -> bool:

@@ -52,6 +52,7 @@ class PrefixPlanner:
     offload_prompt_only: bool = True
     lookup_wait_s: float = 1.0
     delay_free_for_stores: bool = False  # GPU engines: the daemon reads the blocks after the step ends
+    drop_last_hit_block: bool = False  # speculative decoding on the target's hidden states (EAGLE, MTP)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     _requests: dict[str, _Request] = field(default_factory=dict)
     _queued: dict[str, list[bytes]] = field(default_factory=dict)
@@ -88,11 +89,16 @@ class PrefixPlanner:
                 state.hit_blocks = 0
                 return 0, False
             return None, False
-        hit = min(state.hit_blocks, usable)
+        hit = min(state.hit_blocks - self.drop_last_hit_block, usable)  # (_hit_blocks_kept below)
         if hit <= local:
             return 0, False
         state.local_blocks = local
         return (hit - local) * self.block_size, True
+
+    # _hit_blocks_kept: with speculative decoding on the target's hidden states (EAGLE, MTP), the draft
+    # layers' KV of a block's last tokens is computed with the tokens after it, which the request that
+    # stored it may not share with this one. vLLM drops the last block of its own prefix cache hits
+    # for this; a hit here drops it too.
 
     def _collect(self) -> None:
         """Take in lookup answers that have arrived."""
