@@ -576,6 +576,21 @@ def test_a_load_whose_engine_copy_runs_past_its_hold_keeps_its_blocks_until_the_
     assert worker.finished_loads() == ({"slow-copy"}, set())
 
 
+def test_a_load_still_waiting_for_the_link_at_its_deadline_is_reported_failed_at_once(link, monkeypatch):
+    """A load queued behind a stuck call copies nothing (it is not sent past its deadline), so it is
+    given up at its deadline, not held CUDA_ANSWER_GRACE_S longer like a call that went out."""
+    monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 30.0)
+    worker, _ = transfers(link, seed=7)
+    stuck = threading.Event()
+    link.submit(lambda client, ns: stuck.wait(30))
+    queued = device_call(link, 0.3)
+    worker._loads["queued"] = LoadJob("queued", [0], chain_hashes("queued", 1)), queued
+    assert worker.finished_loads() == (set(), set())
+    time.sleep(0.4)
+    assert worker.finished_loads() == ({"queued"}, {"queued"}) and queued.future.cancelled()
+    stuck.set()
+
+
 def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
     """The deadline is fixed when the call is submitted: one that waited for the link thread (behind
     a slow call, a reconnect) past it is not sent, and holds nothing."""

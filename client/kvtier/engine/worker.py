@@ -117,6 +117,11 @@ class DeviceCall:
     def held_until_ns(self) -> int:
         return self._held_until_ns if self.future.done() else self.hold_end_ns
 
+    def withdrawn_unsent(self) -> bool:
+        """Past its deadline and still waiting for the link thread (behind a stuck call, say): it is
+        withdrawn (it would not be sent now), and holds nothing."""
+        return time.monotonic_ns() >= self.deadline_ns and self.future.cancel()
+
     @contextlib.contextmanager
     def engine_copy(self):
         """The engine's own copy into the blocks runs meanwhile (on the link thread, waited for there):
@@ -274,7 +279,7 @@ class BlockTransfers:
         """(finished, failed) request ids; failed ones are in both."""
         finished, failed = set(), set()
         for req_id, (job, call) in list(self._loads.items()):
-            if not call.settled():
+            if not (call.settled() or call.withdrawn_unsent()):
                 continue
             del self._loads[req_id]
             finished.add(req_id)
