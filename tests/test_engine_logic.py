@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -16,6 +17,7 @@ from blocks import chain_hashes, spec
 
 torch = pytest.importorskip("torch")
 
+from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.data_socket import DataSocketError  # noqa: E402
 from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
@@ -433,6 +435,39 @@ def test_a_gpu_worker_refused_cuda_ipc_maps_the_pool_once_registered(start_daemo
         assert not link.submit(lambda client, ns: ns.cuda_registration).result(timeout=10)
         wait(lambda: resident_pool_bytes(path) == 64 << 20)
     finally:
+        link.close()
+
+
+def test_while_the_daemon_is_paused_requests_miss_at_once(start_daemon):
+    """A paused daemon (SIGSTOP) accepts connections and never answers. Once a connect attempt to it
+    has timed out, the link counts as down until one succeeds: requests miss at once instead of each
+    waiting lookup_wait_s behind the next attempt's timeout. It comes back by itself."""
+    daemon = start_daemon("--pool-size", "64MiB")
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=1.0, reconnect_interval=0.3)
+    link.set_namespace_spec(engine_spec())
+    planner = PrefixPlanner(link, BLOCK_TOKENS, b"spec", lookup_wait_s=5.0)
+    hashes = chain_hashes("paused", 3)
+    sockets_before = sum(1 for fd in Path("/proc/self/fd").iterdir() if fd.resolve().name.startswith("socket:"))
+    try:
+        link.submit(lambda client, ns: None).result(timeout=10)  # connected
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        with contextlib.suppress(DaemonUnavailable):
+            link.submit(lambda client, ns: client.lookup(ns, hashes)).result(timeout=10)  # times out: session dropped
+        wait(lambda: not link.available, timeout=10)  # a connect attempt failed
+        for n in range(8):  # over several reconnect intervals
+            assert planner.matched_tokens(f"r{n}", hashes, 4 * BLOCK_TOKENS, 0, None) == (0, False)
+            time.sleep(0.25)
+        for _ in range(10):  # more attempts: each one's socket goes with its attempt, not piling up
+            with pytest.raises(ConnectionError):
+                KVTierClient(daemon.address, timeout=0.2).connect()
+        time.sleep(1.5)  # (an abandoned attempt's socket lives out gRPC's connect timeout: 1 s at least)
+        sockets = sum(1 for fd in Path("/proc/self/fd").iterdir() if fd.resolve().name.startswith("socket:"))
+        assert sockets <= sockets_before + 3
+        os.kill(daemon.process.pid, signal.SIGCONT)
+        wait(lambda: link.available, timeout=10)
+        assert link.submit(lambda client, ns: client.lookup(ns, hashes).hit_count).result(timeout=10) == 0
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
         link.close()
 
 

@@ -41,13 +41,20 @@ def daemon_done_with(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() not in _LOCAL_CODES
 
 
-def channel_options() -> list[tuple[str, int]]:
+class SessionTimeout(ConnectionError):
+    """The daemon took the connection but opened no session in time (paused, or hung)."""
+
+
+def channel_options(connect_timeout_s: float = 20.0) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # A channel of its own connects afresh: gRPC's shared subchannels would keep the reconnect
         # backoff of an earlier failure (up to minutes) and fail new channels to a restarted daemon.
         ("grpc.use_local_subchannel_pool", 1),
+        # How long a connection attempt may take (gRPC's default: 20 s). A paused daemon accepts and
+        # never answers: each abandoned attempt's socket lives this long, even with its channel closed.
+        ("grpc.min_reconnect_backoff_ms", max(1000, int(connect_timeout_s * 1000))),
     ]
 
 
@@ -78,7 +85,7 @@ class KVTierClient:
         """Open a session (a client already in one keeps it)."""
         if self.connected:
             return self
-        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        self._channel = grpc.insecure_channel(self.address, options=channel_options(self.timeout or 20.0))
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._admin = pb_grpc.KVTierAdminStub(self._channel)
         self._outbox = queue.Queue()
@@ -90,9 +97,13 @@ class KVTierClient:
         try:
             event = first.get(timeout=self.timeout)
         except queue.Empty:
+            event = SessionTimeout(f"no session from kvtierd at {self.address} within {self.timeout}s")
+        if isinstance(event, (grpc.RpcError, ConnectionError)):
             call.cancel()
-            raise ConnectionError(f"no session from kvtierd at {self.address} within {self.timeout}s") from None
-        if isinstance(event, grpc.RpcError):
+            self._channel.close()  # (a failed attempt's channel and socket go now: a paused daemon's retries piled them up)
+            self._channel = None
+            if isinstance(event, ConnectionError):
+                raise event
             raise ConnectionError(f"kvtierd at {self.address}: {event.code().name}: {event.details()}")
         self.state.session_id = event.session_id
         self.state.pool_info = event.pool

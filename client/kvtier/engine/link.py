@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvtier.client import KVTierClient
+from kvtier.client import KVTierClient, SessionTimeout
 from kvtier.ops import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -47,6 +47,7 @@ class DaemonLink:
         self._namespace: Namespace | None = None
         self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
+        self._unresponsive = False  # the last connect attempt timed out (the daemon paused, or hung)
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._reconnect_queued = threading.Event()  # a background reconnect waits on the link thread
@@ -75,8 +76,13 @@ class DaemonLink:
 
     @property
     def available(self) -> bool:
-        """False while the link is known to be down (its last connect attempt failed) and waiting to retry."""
-        return self._client is not None or time.monotonic() >= self._down_until
+        """False while the link is known to be down: its last connect attempt failed and the next is
+        not due yet; or it timed out (a paused or hung daemon takes the connection and never answers),
+        and none has succeeded since (the watcher retries every reconnect_interval): were the link
+        taken as up between those attempts, every request's lookup would wait behind one's timeout.
+        A daemon that refuses at once (gone, restarting) is tried again by the first call after the
+        down window."""
+        return self._client is not None or (not self._unresponsive and time.monotonic() >= self._down_until)
 
     def submit(self, call: Callable[[KVTierClient, Namespace], T]) -> Future[T]:
         """Run `call(client, namespace)` on the link thread; its Future raises DaemonUnavailable on failure."""
@@ -175,12 +181,13 @@ class DaemonLink:
                 client = KVTierClient(self.address, engine_name=self.engine_name, timeout=self.timeout).connect()
             except (grpc.RpcError, ConnectionError, OSError) as exc:
                 self._down_until = time.monotonic() + self.reconnect_interval
+                self._unresponsive = isinstance(exc, SessionTimeout)
                 if not self._down_logged:
                     log.warning("kvtierd unreachable (%s); serving without it (misses) and retrying", exc)
                     self._down_logged = True
                 raise DaemonUnavailable(str(exc)) from None
             self._client = client
-            self._down_logged = False
+            self._down_logged = self._unresponsive = False
             self.connects += 1
             log.info("connected to kvtierd at %s (session %s)", client.address, client.state.session_id)
         return client

@@ -119,7 +119,9 @@ class DeviceCall:
 
     def withdrawn_unsent(self) -> bool:
         """Past its deadline and still waiting for the link thread (behind a stuck call, say): it is
-        withdrawn (it would not be sent now), and holds nothing."""
+        withdrawn (it would not be sent now), and holds nothing. (Its blocks are counted nowhere: a
+        load is reported failed; a store's blocks are lost with it, as a store refused for its
+        deadline loses them.)"""
         return time.monotonic_ns() >= self.deadline_ns and self.future.cancel()
 
     @contextlib.contextmanager
@@ -396,7 +398,7 @@ class BlockTransfers:
         """Of the requests vLLM finished (now or before), those whose blocks no store reads any more
         (vLLM frees them on this answer: finished_sending)."""
         self._finishing |= finished_req_ids & self._device_stores.keys()
-        done = {r for r in self._finishing if all(call.settled() for call in self._device_stores[r])}
+        done = {r for r in self._finishing if all(c.settled() or c.withdrawn_unsent() for c in self._device_stores[r])}
         for req_id in done:
             del self._device_stores[req_id]
         self._finishing -= done
@@ -415,9 +417,12 @@ class BlockTransfers:
             if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
                 under_way.append(call)
                 continue
-            others = [job for job in call.store_jobs if job.req_id not in req_ids]
+            # (a request vLLM already took back, its store given up past its hold, has nothing left to store)
+            others = [job for job in call.store_jobs if job.req_id not in req_ids and job.req_id in self._device_stores]
             with self._lock:
-                self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs if job.req_id in req_ids)
+                self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs) - sum(
+                    len(job.block_ids) for job in others
+                )
                 self._pending_gpu_stores += bool(others)
             for req_id in {job.req_id for job in others}:
                 self._device_stores[req_id].remove(call)
