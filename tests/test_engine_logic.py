@@ -684,6 +684,36 @@ def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, m
     assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2 and worker._pending_gpu_stores == 0
 
 
+def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_stores(daemon, monkeypatch):
+    """A step's store call for requests A and B waits behind a stuck call past its deadline: vLLM
+    takes B back (finished_stores withdraws the call), then preempts A. The fence neither trips over
+    B (gone) nor stops part-way: A's later store, still queued, is withdrawn too, and nothing is
+    left counted as pending."""
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=0.3, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        worker, _ = transfers(link, seed=8)
+        worker.delay_frees = True
+        sent = []
+        monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(ids) or len(ids))
+        stuck = threading.Event()
+        link.submit(lambda client, ns: stuck.wait(30))
+        hashes = chain_hashes("fence", 4)
+        worker._device_stores.update({"A": [], "B": []})
+        worker._pending_gpu_stores = 1
+        worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
+        time.sleep(0.4)  # past that call's deadline
+        assert worker.finished_stores({"B"}) == {"B"}
+        worker._pending_gpu_stores += 1
+        worker._submit_gpu_store([StoreJob("A", [2], hashes[2:3])], ready=2)  # A's next step
+        worker.fence({"A"})
+        stuck.set()
+        time.sleep(0.3)
+        assert sent == [] and worker._pending_gpu_stores == 0 and worker._device_stores == {}
+    finally:
+        link.close()
+
+
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):
     """A GPU KV cache whose CUDA IPC export fails (memory cudaIpcGetMemHandle cannot share, such as a
     sleep-mode allocator's): the worker registers without it and keeps the cache (the engine copies,
