@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.data_socket import DataSocketError  # noqa: E402
+from kvtier.engine import scheduler as scheduler_module  # noqa: E402
 from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
@@ -200,6 +202,19 @@ def test_with_eagle_the_last_block_of_a_hit_is_computed_again(link):
     assert plain.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) == (4 * BLOCK_TOKENS, True)
     assert eagle.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 0, None) == (3 * BLOCK_TOKENS, True)
     assert eagle.matched_tokens("r", hashes, 6 * BLOCK_TOKENS, 3 * BLOCK_TOKENS, None) == (0, False)
+
+
+def test_a_lookup_answer_of_the_wrong_length_is_a_miss_not_a_broken_planner(link):
+    """Were the daemon to answer a LookupBatch with too few results, those requests miss; the
+    planner goes on answering (it raised on every later call)."""
+    planner = planner_for(link)
+    hashes = chain_hashes("short", 3)
+    answered: Future = Future()
+    answered.set_result([3])  # one result for two queries
+    planner._requests.update({r: scheduler_module._Request(hashes=hashes) for r in ("a", "b")})
+    planner._in_flight.append((["a", "b"], answered))
+    assert planner.matched_tokens("a", hashes, 4 * BLOCK_TOKENS, 0, None) == (0, False)
+    assert planner.matched_tokens("c", hashes, 4 * BLOCK_TOKENS, 0, None) == (None, False)
 
 
 def test_calls_stay_within_the_daemons_batch_limit(start_daemon):

@@ -110,6 +110,8 @@ class PrefixPlanner:
             try:
                 hits = future.result()
             except Exception:  # noqa: BLE001 (DaemonUnavailable or anything else: those requests miss)
+                hits = []
+            if len(hits) != len(req_ids):  # (failed, or an answer of another length: misses, never a raise here)
                 hits = [0] * len(req_ids)
             for req_id, hit in zip(req_ids, hits, strict=True):
                 state = self._requests.get(req_id)
