@@ -472,6 +472,11 @@ def test_while_the_daemon_is_paused_requests_miss_at_once(start_daemon):
         for n in range(8):  # over several reconnect intervals
             assert planner.matched_tokens(f"r{n}", hashes, 4 * BLOCK_TOKENS, 0, None) == (0, False)
             time.sleep(0.25)
+        wait(lambda: not link._reconnect_queued.is_set())  # (between two of the watcher's attempts)
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailable):  # a call does not try to connect meanwhile: only the watcher
+            link.submit(lambda client, ns: None).result(timeout=10)
+        assert time.monotonic() - started < 0.5
         for _ in range(10):  # more attempts: each one's socket goes with its attempt, not piling up
             with pytest.raises(ConnectionError):
                 KVTierClient(daemon.address, timeout=0.2).connect()
@@ -484,6 +489,37 @@ def test_while_the_daemon_is_paused_requests_miss_at_once(start_daemon):
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
         link.close()
+
+
+def test_failed_connects_to_a_daemon_that_never_answers_leave_no_thread_behind(tmp_path):
+    """A daemon hung after the connection's handshake never answers Session: each failed attempt
+    ends gRPC's thread that feeds the session its requests (they piled up, one per retry)."""
+    from concurrent import futures
+
+    hold = threading.Event()
+
+    def session(requests, context):  # what a hung kvtierd does: takes the call, never answers
+        hold.wait(30)
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(8, thread_name_prefix="hung-daemon"))
+    handlers = {"Session": grpc.stream_stream_rpc_method_handler(session)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvtier.v1.KVTier", handlers),))
+    server.add_insecure_port(f"unix://{tmp_path}/hung.sock")
+    server.start()
+
+    def ours() -> int:  # (this process's threads but the hung server's)
+        return sum(not thread.name.startswith("hung-daemon") for thread in threading.enumerate())
+
+    before = ours()
+    try:
+        for _ in range(5):
+            with pytest.raises(ConnectionError):
+                KVTierClient(f"unix://{tmp_path}/hung.sock", timeout=0.3).connect()
+        wait(lambda: ours() <= before, timeout=5)
+    finally:
+        hold.set()
+        server.stop(0)
 
 
 def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
@@ -725,6 +761,35 @@ def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_
         stuck.set()
         time.sleep(0.3)
         assert sent == [] and worker._pending_gpu_stores == 0 and worker._device_stores == {}
+    finally:
+        link.close()
+
+
+def test_a_store_given_up_past_its_deadline_is_not_sent_again_by_a_later_fence(daemon, monkeypatch):
+    """A step's store for A and B waits behind a stuck call past its deadline and is given up (B
+    finishing); B still has a later store under way. Preempting A then must not send the given-up
+    store again for B: only B's later store goes."""
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=0.6, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        worker, _ = transfers(link, seed=9)
+        worker.delay_frees = True
+        sent = []
+        monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(ids) or len(ids))
+        stuck = threading.Event()
+        link.submit(lambda client, ns: stuck.wait(30))
+        hashes = chain_hashes("resend", 3)
+        worker._device_stores.update({"A": [], "B": []})
+        worker._pending_gpu_stores = 2
+        worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
+        time.sleep(0.4)
+        worker._submit_gpu_store([StoreJob("B", [5], hashes[2:])], ready=2)  # B's next step, due later
+        time.sleep(0.3)  # the first call past its deadline, the second not
+        assert worker.finished_stores({"B"}) == set()  # (B's second store still holds its blocks)
+        worker.fence({"A"})
+        stuck.set()
+        wait(lambda: worker.finished_stores(set()) == {"B"})
+        assert sent == [[5]] and worker._pending_gpu_stores == 0
     finally:
         link.close()
 

@@ -41,10 +41,6 @@ def daemon_done_with(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() not in _LOCAL_CODES
 
 
-class SessionTimeout(ConnectionError):
-    """The daemon took the connection but opened no session in time (paused, or hung)."""
-
-
 def channel_options(connect_timeout_s: float = 20.0) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -97,10 +93,11 @@ class KVTierClient:
         try:
             event = first.get(timeout=self.timeout)
         except queue.Empty:
-            event = SessionTimeout(f"no session from kvtierd at {self.address} within {self.timeout}s")
+            event = ConnectionError(f"no session from kvtierd at {self.address} within {self.timeout}s")
         if isinstance(event, (grpc.RpcError, ConnectionError)):
+            self._outbox.put(None)  # (ends gRPC's thread that reads the requests: a hung daemon's retries piled them up)
             call.cancel()
-            self._channel.close()  # (a failed attempt's channel and socket go now: a paused daemon's retries piled them up)
+            self._channel.close()  # (and the channel and its socket: a paused daemon's retries piled them up)
             self._channel = None
             if isinstance(event, ConnectionError):
                 raise event

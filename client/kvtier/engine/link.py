@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvtier.client import KVTierClient, SessionTimeout
+from kvtier.client import KVTierClient
 from kvtier.ops import Namespace
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -47,7 +47,7 @@ class DaemonLink:
         self._namespace: Namespace | None = None
         self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
-        self._unresponsive = False  # the last connect attempt timed out (the daemon paused, or hung)
+        self._unresponsive = False  # the last connect attempt ran out its timeout (the daemon paused, or hung)
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._reconnect_queued = threading.Event()  # a background reconnect waits on the link thread
@@ -80,8 +80,8 @@ class DaemonLink:
         not due yet; or it timed out (a paused or hung daemon takes the connection and never answers),
         and none has succeeded since (the watcher retries every reconnect_interval): were the link
         taken as up between those attempts, every request's lookup would wait behind one's timeout.
-        A daemon that refuses at once (gone, restarting) is tried again by the first call after the
-        down window."""
+        Meanwhile only the watcher tries to connect. A daemon that refuses at once (gone, restarting)
+        is tried again by the first call after the down window."""
         return self._client is not None or (not self._unresponsive and time.monotonic() >= self._down_until)
 
     def submit(self, call: Callable[[KVTierClient, Namespace], T]) -> Future[T]:
@@ -138,16 +138,19 @@ class DaemonLink:
         nor extends it: the window is the calls' (after a call failed, the next ones skip the daemon
         for reconnect_interval), and a call that comes right after the daemon is back, while the link
         was idle, connects at once instead of being skipped because of a background attempt."""
-        self._reconnect_queued.clear()
         calls_down_until, self._down_until = self._down_until, 0.0
         try:
-            self._connected()
+            self._connected(retry=True)
         except DaemonUnavailable:
             if self._client is None:  # (else connected, with no namespace to register yet)
                 self._down_until = calls_down_until
+        finally:  # (one attempt at a time: against a paused daemon each lasts the timeout)
+            self._reconnect_queued.clear()
 
-    def _connected(self) -> tuple[KVTierClient, Namespace]:
-        client = self._session()
+    def _connected(self, retry: bool = False) -> tuple[KVTierClient, Namespace]:
+        """The session and namespace, connecting and registering as needed (`retry`: the watcher's
+        attempt, made even while the daemon is not answering)."""
+        client = self._session(retry)
         with self._lock:
             spec, namespace, cuda_kv = self._spec, self._namespace, self._cuda_kv
         if spec is None:
@@ -167,7 +170,7 @@ class DaemonLink:
                     self._namespace = namespace
         return client, namespace
 
-    def _session(self) -> KVTierClient:
+    def _session(self, retry: bool = False) -> KVTierClient:
         client = self._client
         if client is not None and not client.connected:
             self._drop("session ended")
@@ -175,13 +178,16 @@ class DaemonLink:
         if client is None:
             if self._closing.is_set():  # (a call or reconnect queued before close must not open a session)
                 raise DaemonUnavailable("the link is closed")
-            if time.monotonic() < self._down_until:
+            if time.monotonic() < self._down_until or (self._unresponsive and not retry):
                 raise DaemonUnavailable("kvtierd unreachable; retrying shortly")
+            started = time.monotonic()
             try:
                 client = KVTierClient(self.address, engine_name=self.engine_name, timeout=self.timeout).connect()
             except (grpc.RpcError, ConnectionError, OSError) as exc:
                 self._down_until = time.monotonic() + self.reconnect_interval
-                self._unresponsive = isinstance(exc, SessionTimeout)
+                # (gRPC's own connect timeout or ours, whichever fired first: a daemon that took the
+                # connection and never answered, not one that refused it)
+                self._unresponsive = time.monotonic() - started >= 0.9 * self.timeout
                 if not self._down_logged:
                     log.warning("kvtierd unreachable (%s); serving without it (misses) and retrying", exc)
                     self._down_logged = True

@@ -375,7 +375,7 @@ class BlockTransfers:
         return _reserve_write_commit(client, ns, hashes, write)
 
     def _stored(self, future: Future, size: int, blocks: int, gpu_call: bool = False) -> None:
-        if future.cancelled():  # (only the preemption fence cancels: it counts what it withdrew)
+        if future.cancelled():  # (withdrawn by the preemption fence, which counts its blocks, or past its deadline)
             with self._lock:
                 self._pending_store_bytes -= size
                 self._pending_gpu_stores -= gpu_call
@@ -414,18 +414,20 @@ class BlockTransfers:
         self._finishing -= req_ids
         under_way = []
         for call in calls:
+            withdrawn_before = call.future.cancelled()  # (past its deadline: it goes for nobody)
             if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
                 under_way.append(call)
                 continue
             # (a request vLLM already took back, its store given up past its hold, has nothing left to store)
-            others = [job for job in call.store_jobs if job.req_id not in req_ids and job.req_id in self._device_stores]
+            sharing = [job for job in call.store_jobs if job.req_id not in req_ids and job.req_id in self._device_stores]
+            others = [] if withdrawn_before else sharing
             with self._lock:
                 self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs) - sum(
                     len(job.block_ids) for job in others
                 )
                 self._pending_gpu_stores += bool(others)
-            for req_id in {job.req_id for job in others}:
-                self._device_stores[req_id].remove(call)
+            for req_id in {job.req_id for job in sharing}:
+                self._device_stores[req_id] = [c for c in self._device_stores[req_id] if c is not call]
             if others:
                 self._submit_gpu_store(others, call.ready)
         if not under_way:
