@@ -713,16 +713,25 @@ def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypa
     stuck_gate.set()
 
 
+def queued_gpu_stores(link, seed: int, monkeypatch) -> tuple[BlockTransfers, list, threading.Event]:
+    """A GPU engine's worker (delayed frees) whose store calls wait in the link thread's queue behind a
+    stuck call until the returned event is set; `sent` records (block ids, ready event) of each
+    store call the link thread runs. The copy those calls make needs a GPU (the GPU tests make it for
+    real); what is under test here is which calls run, and the worker's bookkeeping."""
+    worker, _ = transfers(link, seed=seed)
+    worker.delay_frees = True
+    sent = []
+    monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append((ids, ready)) or len(ids))
+    stuck = threading.Event()
+    link.submit(lambda client, ns: stuck.wait(30))
+    return worker, sent, stuck
+
+
 def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, monkeypatch):
     """A step's store call carries every request of the step. Preempting one while the call still
     waits for the link withdraws that request's blocks alone: the call goes again with the others'
     (after the same ready event), and the fence does not wait for it."""
-    worker, _ = transfers(link, seed=5)
-    worker.delay_frees = True
-    sent = []  # what the link thread was asked to store (the copy itself needs a GPU)
-    monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append((ids, ready)) or len(ids))
-    busy = threading.Event()
-    link.submit(lambda client, ns: busy.wait(30))  # the link thread busy: the step's call waits in its queue
+    worker, sent, stuck = queued_gpu_stores(link, 5, monkeypatch)
     hashes = chain_hashes("step", 4)
     worker._device_stores.update({"preempted": [], "running": []})
     worker._pending_gpu_stores = 1  # (as save counts the call)
@@ -730,7 +739,7 @@ def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, m
     started = time.monotonic()
     worker.fence({"preempted"})
     assert time.monotonic() - started < 0.5 and worker.stats.store_skipped_blocks == 2
-    busy.set()
+    stuck.set()
     wait(lambda: worker.finished_stores({"running"}) == {"running"})
     assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2 and worker._pending_gpu_stores == 0
 
@@ -743,12 +752,7 @@ def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_
     link = DaemonLink(daemon.address, "pytest-engine", timeout=0.3, reconnect_interval=0.2)
     link.set_namespace_spec(engine_spec())
     try:
-        worker, _ = transfers(link, seed=8)
-        worker.delay_frees = True
-        sent = []
-        monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(ids) or len(ids))
-        stuck = threading.Event()
-        link.submit(lambda client, ns: stuck.wait(30))
+        worker, sent, stuck = queued_gpu_stores(link, 8, monkeypatch)
         hashes = chain_hashes("fence", 4)
         worker._device_stores.update({"A": [], "B": []})
         worker._pending_gpu_stores = 1
@@ -772,12 +776,7 @@ def test_a_store_given_up_past_its_deadline_is_not_sent_again_by_a_later_fence(d
     link = DaemonLink(daemon.address, "pytest-engine", timeout=0.6, reconnect_interval=0.2)
     link.set_namespace_spec(engine_spec())
     try:
-        worker, _ = transfers(link, seed=9)
-        worker.delay_frees = True
-        sent = []
-        monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(ids) or len(ids))
-        stuck = threading.Event()
-        link.submit(lambda client, ns: stuck.wait(30))
+        worker, sent, stuck = queued_gpu_stores(link, 9, monkeypatch)
         hashes = chain_hashes("resend", 3)
         worker._device_stores.update({"A": [], "B": []})
         worker._pending_gpu_stores = 2
@@ -789,7 +788,7 @@ def test_a_store_given_up_past_its_deadline_is_not_sent_again_by_a_later_fence(d
         worker.fence({"A"})
         stuck.set()
         wait(lambda: worker.finished_stores(set()) == {"B"})
-        assert sent == [[5]] and worker._pending_gpu_stores == 0
+        assert sent == [([5], 2)] and worker._pending_gpu_stores == 0
     finally:
         link.close()
 

@@ -89,16 +89,14 @@ class PrefixPlanner:
                 state.hit_blocks = 0
                 return 0, False
             return None, False
-        hit = min(state.hit_blocks - self.drop_last_hit_block, usable)  # (_hit_blocks_kept below)
+        # With speculative decoding on the target's hidden states (EAGLE, MTP) the draft layers' KV of
+        # a block's last tokens is computed with the tokens after it, which the request that stored it
+        # may not share with this one: vLLM drops the last block of its own prefix hits, and so do we.
+        hit = min(state.hit_blocks - self.drop_last_hit_block, usable)
         if hit <= local:
             return 0, False
         state.local_blocks = local
         return (hit - local) * self.block_size, True
-
-    # _hit_blocks_kept: with speculative decoding on the target's hidden states (EAGLE, MTP), the draft
-    # layers' KV of a block's last tokens is computed with the tokens after it, which the request that
-    # stored it may not share with this one. vLLM drops the last block of its own prefix cache hits
-    # for this; a hit here drops it too.
 
     def _collect(self) -> None:
         """Take in lookup answers that have arrived."""

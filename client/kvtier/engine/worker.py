@@ -117,13 +117,6 @@ class DeviceCall:
     def held_until_ns(self) -> int:
         return self._held_until_ns if self.future.done() else self.hold_end_ns
 
-    def withdrawn_unsent(self) -> bool:
-        """Past its deadline and still waiting for the link thread (behind a stuck call, say): it is
-        withdrawn (it would not be sent now), and holds nothing. (Its blocks are counted nowhere: a
-        load is reported failed; a store's blocks are lost with it, as a store refused for its
-        deadline loses them.)"""
-        return time.monotonic_ns() >= self.deadline_ns and self.future.cancel()
-
     @contextlib.contextmanager
     def engine_copy(self):
         """The engine's own copy into the blocks runs meanwhile (on the link thread, waited for there):
@@ -135,9 +128,15 @@ class DeviceCall:
             self._engine_copies -= 1
 
     def settled(self) -> bool:
-        """It holds the blocks no more (an unanswered call past its hold is given up, unless the
-        engine's own copy into them is still under way: vLLM would hand them to another request)."""
-        return not self._engine_copies and time.monotonic_ns() >= self.held_until_ns()
+        """It holds the blocks no more: an unanswered call past its hold is given up, unless the
+        engine's own copy into them is still under way (vLLM would hand them to another request),
+        and one still waiting for the link thread past its deadline (behind a stuck call, say) is
+        withdrawn here, since it would not be sent now. (A withdrawn load is reported failed; a
+        withdrawn store's blocks are lost, as a store refused for its deadline loses them.)"""
+        now = time.monotonic_ns()
+        if now >= self.deadline_ns and self.future.cancel():
+            return True
+        return not self._engine_copies and now >= self.held_until_ns()
 
 
 @dataclass(frozen=True)
@@ -281,7 +280,7 @@ class BlockTransfers:
         """(finished, failed) request ids; failed ones are in both."""
         finished, failed = set(), set()
         for req_id, (job, call) in list(self._loads.items()):
-            if not (call.settled() or call.withdrawn_unsent()):
+            if not call.settled():
                 continue
             del self._loads[req_id]
             finished.add(req_id)
@@ -398,7 +397,7 @@ class BlockTransfers:
         """Of the requests vLLM finished (now or before), those whose blocks no store reads any more
         (vLLM frees them on this answer: finished_sending)."""
         self._finishing |= finished_req_ids & self._device_stores.keys()
-        done = {r for r in self._finishing if all(c.settled() or c.withdrawn_unsent() for c in self._device_stores[r])}
+        done = {r for r in self._finishing if all(call.settled() for call in self._device_stores[r])}
         for req_id in done:
             del self._device_stores[req_id]
         self._finishing -= done
