@@ -32,6 +32,7 @@ import torch
 from kvtier.engine.gpu_kv import GpuKV
 from kvtier.engine.jobs import LoadJob, StoreJob
 from kvtier.engine.link import DaemonLink
+from kvtier.engine.rank_keys import key_bytes
 from kvtier.engine.worker import BlockTransfers
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -105,7 +106,7 @@ def namespace_spec(geometry: Geometry, layout: str, tp_size: int = 1) -> pb.Name
         block_bytes=geometry.block_bytes,
         chunk_bytes=[geometry.page_bytes] * geometry.layers,
         hash_algorithm="sha256",
-        hash_bytes=32,
+        hash_bytes=key_bytes(32, tp_size),
         tp_size=tp_size,
     )
 

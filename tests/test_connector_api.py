@@ -126,6 +126,16 @@ def test_each_kv_cache_encoding_is_a_namespace_of_its_own(tmp_path):
     assert digest(tmp_path, cache={"cache_dtype": "auto", "kv_cache_dtype_skip_layers": []}) == digest(tmp_path)
 
 
+def test_a_tensor_parallel_engines_ranks_share_one_namespace_whose_keys_carry_the_rank(tmp_path):
+    """Every rank registers the scheduler's spec (tp_rank 0; a worker adds only its pipeline stage);
+    the keys are vLLM's hashes followed by two bytes of rank, which the spec's hash_bytes counts.
+    A TP=1 engine's spec is what it was before ranks had keys."""
+    one = spec_of(tmp_path)
+    tp = spec_of(tmp_path, parallel={"tensor_parallel_size": 4})
+    assert (one.hash_bytes, one.tp_size, one.tp_rank) == (32, 1, 0)
+    assert (tp.hash_bytes, tp.tp_size, tp.tp_rank) == (34, 4, 0)
+
+
 def test_speculative_decoding_on_the_targets_hidden_states_drops_the_last_block_of_hits():
     """As vLLM's scheduler decides for its own prefix cache (SpeculativeConfig.use_eagle_block_drop)."""
     from vllm.config import SpeculativeConfig

@@ -652,8 +652,9 @@ def test_two_engines_store_and_load_concurrently(start_daemon, tmp_path):
 
 @gpu
 def test_tensor_parallel_ranks_keep_their_own_blocks(start_daemon):
-    """Two TP=2 engines (one worker process per rank, here both ranks on one GPU): the same block
-    hashes hold each rank's own bytes, and each rank of engine 2 loads its own rank's blocks."""
+    """Two TP=2 engines (one worker process per rank, here both ranks on one GPU): the ranks share one
+    namespace, the same block hashes hold each rank's own bytes (keys with the rank), and each rank of
+    engine 2 loads its own rank's blocks."""
     daemon = start_daemon("--pool-size", "256MiB")
     ids = list(range(16))
     steps = [[{"fill": ids, "seed": 40 + rank}, {"store": ids, "seed": 40 + rank, "hash_seed": 7}] for rank in (0, 1)]
@@ -672,7 +673,8 @@ def test_tensor_parallel_ranks_keep_their_own_blocks(start_daemon):
     for process in readers:
         loaded, checked = results(process)
         assert loaded["loaded"] and loaded["cuda_ipc"] and checked["matches"]
-    assert len(daemon.admin("ListNamespaces").namespaces) == 2  # one per rank
+    (namespace,) = daemon.admin("ListNamespaces").namespaces  # the ranks' one, each rank's blocks under its own keys
+    assert namespace.blocks == 32
 
 
 @gpu

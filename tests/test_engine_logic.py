@@ -25,8 +25,10 @@ from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
 from kvtier.engine.link import DaemonLink, DaemonUnavailable  # noqa: E402
+from kvtier.engine.rank_keys import key_bytes, rank_suffix  # noqa: E402
 from kvtier.engine.scheduler import PrefixPlanner  # noqa: E402
 from kvtier.engine.worker import MAX_PENDING_GPU_STORES, BlockTransfers, DeviceCall  # noqa: E402
+from kvtier.v1 import kvtier_pb2 as pb  # noqa: E402
 
 BLOCK_TOKENS = 16
 LAYERS, BLOCKS, HEADS, HEAD = 3, 32, 2, 8
@@ -435,8 +437,6 @@ def test_a_gpu_worker_refused_cuda_ipc_maps_the_pool_once_registered(start_daemo
     """A GPU worker copies through the pool only when the daemon refuses its cache (cuda_ipc): the
     pool is then mapped (and registered with CUDA where there is one) right after the registration,
     not inside its first copy call."""
-    from kvtier.v1 import kvtier_pb2 as pb
-
     daemon = start_daemon("--pool-size", "64MiB", "--cuda-register", "false")  # (cuda_ipc refused)
     path = daemon.admin("GetInfo").pool.shm_path
     link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
@@ -460,7 +460,7 @@ def test_while_the_daemon_is_paused_requests_miss_at_once(start_daemon):
     daemon = start_daemon("--pool-size", "64MiB")
     link = DaemonLink(daemon.address, "pytest-engine", timeout=1.0, reconnect_interval=0.3)
     link.set_namespace_spec(engine_spec())
-    planner = PrefixPlanner(link, BLOCK_TOKENS, b"spec", lookup_wait_s=5.0)
+    planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(), lookup_wait_s=5.0)
     hashes = chain_hashes("paused", 3)
     sockets_before = sum(1 for fd in Path("/proc/self/fd").iterdir() if fd.resolve().name.startswith("socket:"))
     try:
@@ -529,7 +529,7 @@ def test_a_connect_under_way_is_waited_for_not_taken_as_a_miss(tmp_path):
     silent.listen()
     link = DaemonLink(f"unix://{tmp_path}/silent.sock", "pytest", timeout=3.0, reconnect_interval=30.0)
     link.set_namespace_spec(engine_spec())
-    planner = PrefixPlanner(link, BLOCK_TOKENS, b"spec", lookup_wait_s=30.0)
+    planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(), lookup_wait_s=30.0)
     hashes = chain_hashes("connecting", 4)
     try:
         link.connect_soon(map_pool=True)
@@ -839,12 +839,53 @@ def test_gpu_stores_waiting_for_a_slow_daemon_are_bounded(link):
     assert cache.ready == MAX_PENDING_GPU_STORES + 1
 
 
+def tp_spec(tp_size: int) -> pb.NamespaceSpec:
+    """engine_spec for a TP engine: its ranks share the namespace, keys carrying the rank."""
+    tp = engine_spec()
+    tp.tp_size, tp.hash_bytes = tp_size, key_bytes(tp.hash_bytes, tp_size)
+    return tp
+
+
+def test_tensor_parallel_ranks_share_one_namespace_each_with_its_own_blocks(daemon):
+    """The ranks of a TP engine register one namespace (not one each: the daemon's namespace limit
+    would otherwise fill TP times sooner) and keep their own shard of every block under the block's
+    hash and their rank: each rank of a second engine loads its own rank's bytes."""
+    raw = tp_spec(2).SerializeToString(deterministic=True)
+    hashes, ids = chain_hashes("shards", 3), [0, 1, 2]
+    links = [DaemonLink(daemon.address, f"rank{rank}", timeout=10.0, reconnect_interval=0.2) for rank in range(4)]
+    try:
+        caches = [kv_cache(70 + rank) for rank in range(2)]
+        for rank in range(2):
+            writer = BlockTransfers(links[rank], LayerMajorKV(caches[rank]), tp_rank=rank)
+            writer.configure(raw)
+            writer.save([StoreJob("seed", ids, hashes)])
+            wait(lambda writer=writer: writer.stats.stored_blocks == 3)
+        (namespace,) = daemon.admin("ListNamespaces").namespaces
+        assert namespace.blocks == 6 and namespace.spec.hash_bytes == 34
+        for rank in range(2):
+            reader_cache = [torch.zeros_like(layer) for layer in caches[rank]]
+            reader = BlockTransfers(links[2 + rank], LayerMajorKV(reader_cache), tp_rank=rank)
+            reader.configure(raw)
+            reader.start_loads([LoadJob("again", [5, 6, 7], hashes)])
+            assert drain_loads(reader) == ({"again"}, set())
+            for layer, stored in zip(reader_cache, caches[rank], strict=True):
+                assert torch.equal(layer[[5, 6, 7]], stored[ids])
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_a_tensor_parallel_engine_of_one_rank_keys_blocks_by_their_hashes_alone():
+    """A TP=1 engine's keys are its vLLM hashes, as before ranks had keys (its cached blocks stay valid)."""
+    assert key_bytes(32, 1) == 32 and rank_suffix(engine_spec(), 0) == b""
+    assert key_bytes(32, 4) == 34 and rank_suffix(tp_spec(4), 3) == b"\x00\x03"
+
+
 def test_a_prefix_one_tensor_parallel_rank_lacks_is_stored_again_by_the_request_that_missed(daemon):
-    """The lookup asks rank 0's namespace; a rank that skipped (or lost) its copy of the blocks fails
+    """The lookup asks for rank 0's keys; a rank that skipped (or lost) its copy of the blocks fails
     the load, and the request recomputes them. Its stores put that rank's copy back (rank 0's are
     no-ops), so the next request with the prefix loads on every rank instead of missing for good."""
-    tp = engine_spec()
-    tp.tp_size = 2
+    tp = tp_spec(2)
     raw = tp.SerializeToString(deterministic=True)
     links = [DaemonLink(daemon.address, f"rank{rank}", timeout=10.0, reconnect_interval=0.2) for rank in range(3)]
     try:

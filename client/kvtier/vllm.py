@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvtier.engine.jobs import StepPlan
 from kvtier.engine.kv_blocks import LayerMajorKV
 from kvtier.engine.link import DaemonLink
+from kvtier.engine.rank_keys import key_bytes
 from kvtier.engine.scheduler import PrefixPlanner
 from kvtier.engine.worker import BlockTransfers
 from kvtier.model_files import files_fingerprint
@@ -134,7 +135,7 @@ def namespace_spec(vllm_config, kv_cache_config, config: ConnectorConfig, identi
         pp_rank=0,
         hash_algorithm=str(cache_config.prefix_caching_hash_algo),
         hash_seed=bytes(none_hash).hex(),
-        hash_bytes=len(none_hash) or 32,
+        hash_bytes=key_bytes(len(none_hash) or 32, parallel.tensor_parallel_size),
         extra={**identity, **kv_format(cache_config), **{str(k): str(v) for k, v in config.namespace_extra.items()}},
     )
 

@@ -5,7 +5,7 @@ Lookups never block the scheduler: a request's first query is queued and answere
 the daemon reported present are promised, always leaving the last prompt token to compute. A request
 whose load failed is not offered a hit again (that would loop), and the blocks it recomputes are
 stored again: the load may have failed for one worker's blocks alone (a TP rank or pipeline stage
-that skipped or lost them while the lookup, which asks the first rank's namespace, found them), and
+that skipped or lost them while the lookup, which asks for the first rank's keys, found them), and
 only a store puts them back (the other workers' stores of blocks they hold are no-ops).
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from kvtier.engine.jobs import LoadJob, StepPlan, StoreJob
 from kvtier.engine.link import DaemonLink
+from kvtier.engine.rank_keys import keyed, rank_suffix
+from kvtier.v1 import kvtier_pb2 as pb
 
 log = logging.getLogger("kvtier.engine")
 
@@ -60,6 +62,10 @@ class PrefixPlanner:
     _loads: list[LoadJob] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)  # requests whose load the workers have not reported
     _storing: set[str] = field(default_factory=set)  # requests with stores planned (delay_free_for_stores)
+    _lookup_suffix: bytes = field(init=False)  # lookups ask for the first TP rank's keys
+
+    def __post_init__(self) -> None:
+        self._lookup_suffix = rank_suffix(pb.NamespaceSpec.FromString(self.namespace_spec), 0)
 
     # ------------------------------------------------------------------ lookups
 
@@ -122,7 +128,7 @@ class PrefixPlanner:
     def _flush_lookups(self) -> None:
         if not self._queued:
             return
-        req_ids, queries = list(self._queued), list(self._queued.values())
+        req_ids, queries = list(self._queued), [keyed(q, self._lookup_suffix) for q in self._queued.values()]
         self._queued = {}
 
         def call(client, ns):

@@ -45,6 +45,7 @@ from kvtier.engine.kv_blocks import LayerMajorKV
 if TYPE_CHECKING:
     from kvtier.engine.gpu_kv import GpuKV
 from kvtier.engine.link import DaemonLink
+from kvtier.engine.rank_keys import keyed, rank_suffix
 from kvtier.ops import LookupResult, Namespace, Reservation
 from kvtier.pool_view import PageView
 from kvtier.v1 import kvtier_pb2 as pb
@@ -167,6 +168,7 @@ class BlockTransfers:
     pp_rank: int = 0  # pipeline stage: each stage holds other layers, so it keeps blocks of its own
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
+    _key_suffix: bytes = b""  # follows each block hash in this rank's keys (rank_keys)
     _disabled: str = ""
     _loads: dict[str, tuple[LoadJob, DeviceCall]] = field(default_factory=dict)
     _pending_store_bytes: int = 0
@@ -176,8 +178,8 @@ class BlockTransfers:
     _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
 
     def configure(self, namespace_spec: bytes) -> None:
-        """Adopt the namespace the scheduler side computed (for our TP rank and pipeline stage); refuse
-        it if our cache's geometry differs."""
+        """Adopt the namespace the scheduler side computed (the TP ranks share it, each with keys of its
+        own; each pipeline stage has its own); refuse it if our cache's geometry differs."""
         if not namespace_spec or namespace_spec == self._spec:
             return
         self._spec = namespace_spec
@@ -194,7 +196,8 @@ class BlockTransfers:
             log.error("kvtier transfers disabled: %s", self._disabled)
             return
         self._disabled = ""
-        spec.tp_rank, spec.pp_rank = self.tp_rank, self.pp_rank
+        spec.pp_rank = self.pp_rank
+        self._key_suffix = rank_suffix(spec, self.tp_rank)
         if self._gpu_kv is not None:
             try:
                 self.link.set_cuda_kv(self._gpu_kv.describe())
@@ -215,7 +218,8 @@ class BlockTransfers:
             try:
                 if self._disabled or self.kv is None:
                     raise LoadFailed(self._disabled or "no KV cache registered")
-                call.future = self.link.submit(lambda client, ns, job=job, call=call: self._load(client, ns, job, call))
+                keys = LoadJob(job.req_id, job.block_ids, keyed(job.hashes, self._key_suffix))
+                call.future = self.link.submit(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
             except Exception as exc:  # noqa: BLE001
                 call.future = _failed_future(str(exc))
             self._loads[job.req_id] = job, call
@@ -309,7 +313,7 @@ class BlockTransfers:
             for job in jobs:
                 self._device_stores.setdefault(job.req_id, [])
         block_ids = [b for job in jobs for b in job.block_ids]
-        hashes = [h for job in jobs for h in job.hashes]
+        hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         if not block_ids or self._disabled or self.kv is None:
             return
         if self._gpu_kv is not None:  # the daemon (cuda_ipc) or our kernel (shm) reads the blocks after this step
@@ -339,7 +343,7 @@ class BlockTransfers:
         """One store call for the jobs (a step's), after the ring's ready event `ready`, held by each
         job's request (finished_stores and the preemption fence wait for it)."""
         block_ids = [b for job in jobs for b in job.block_ids]
-        hashes = [h for job in jobs for h in job.hashes]
+        hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         call = DeviceCall.due_in(self.link.timeout)
         call.store_jobs, call.ready = jobs, ready
         call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
