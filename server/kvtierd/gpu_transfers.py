@@ -309,7 +309,11 @@ class LinkClock:
     (its streams). Copies on a GPU's other lanes in the same direction share its link with it: at
     the link's rate (`rates`, per device: measured when the GPU gets its first registration, at least
     LINK_BYTES_PER_S) shared fairly, each of them moves min(its remaining bytes, this copy's size)
-    before this one ends (processor sharing), so a small copy is not queued behind a large one."""
+    before this one ends (processor sharing). The copy engines rather run copies of different streams
+    one after another (measured on an H200): for copies started together the estimates are their
+    ends, but a small copy started while a large one moves is expected too soon. It is then polled
+    for until it lands, and its deadline check was as much too lenient: milliseconds, against the
+    engine's CUDA_ANSWER_GRACE_S of seconds."""
 
     rates: dict = field(default_factory=dict)  # device -> the most bytes per second its link moves each way
     _lane_end: dict = field(default_factory=dict)  # lane -> end of its last copy
