@@ -3,10 +3,10 @@
 On a machine with two CUDA devices: raw pinned host<->device memcpy on both GPUs at the same time
 (the host's PCIe and memory limit), then store and load through one real kvtierd with both GPUs
 busy: one KV cache per GPU, as the two ranks of a TP=2 engine (each registers its own device by
-UUID and its own rank), CALLERS calls in flight per GPU, batches of 64 and 512 blocks of the
-Llama-3-8B-like layout in the block-outermost layout (BLHNC) the connector asks vLLM for. Aggregate
-GB/s = all bytes moved on both GPUs / wall time. This process plays the engine. Writes
-bench/results/transfer_gpu_x2.json. Usage: python bench/transfer_gpu_x2.py [--rounds N]
+UUID; the ranks share one namespace, each under keys of its own rank), CALLERS calls in flight per
+GPU, batches of 64 and 512 blocks of the Llama-3-8B-like layout in the block-outermost layout
+(BLHNC) the connector asks vLLM for. Aggregate GB/s = all bytes moved on both GPUs / wall time.
+This process plays the engine. Writes bench/results/transfer_gpu_x2.json. Usage: python bench/transfer_gpu_x2.py [--rounds N]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from transfer_gpu import CALLERS, LLAMA3_8B  # noqa: E402
 
 from kvtier.client import KVTierClient  # noqa: E402
 from kvtier.engine.gpu_kv import GpuKV  # noqa: E402
+from kvtier.engine.rank_keys import keyed, rank_suffix  # noqa: E402
 
 GPUS = 2
 BATCHES = [64, 512]
@@ -85,7 +86,7 @@ class Rank:
         self.kv = GpuKV(list(views.values()), g.num_blocks)
         self.client = KVTierClient(address, engine_name=f"bench-x2-rank{gpu}", timeout=60).connect()
         spec = namespace_spec(g, LAYOUT, tp_size=GPUS)
-        spec.tp_rank = gpu
+        self.suffix = rank_suffix(spec, gpu)
         self.ns = self.client.register(spec, self.kv.describe())
         assert self.ns.cuda_registration, self.ns.cuda_refused
         self.ready = self.kv.record_ready()  # (nothing writes the blocks: every store names this event)
@@ -109,17 +110,18 @@ def through_daemon(address: str, rounds: int) -> dict:
         for n in BATCHES:
             stored = block_hashes(-n, n)
             for rank in ranks:
-                assert rank.client.store_cuda(rank.ns, stored, list(range(n)), rank.ready) == n
+                assert rank.client.store_cuda(rank.ns, keyed(stored, rank.suffix), list(range(n)), rank.ready) == n
 
             def load(rank: Rank, caller: int, n=n, hashes=stored) -> None:
-                assert rank.client.load_cuda(rank.ns, list(range(caller * n, (caller + 1) * n)), hashes) == n
+                assert rank.client.load_cuda(rank.ns, list(range(caller * n, (caller + 1) * n)), keyed(hashes, rank.suffix)) == n
 
             # hashes for every store (warm-up included), made before the clock starts (an engine has its
             # hashes from vLLM); a list iterator's next holds the GIL, so the callers may share it
             batches = iter([block_hashes(1000 * n + call, n) for call in range(GPUS * CALLERS * (rounds + 1))])
 
             def store(rank: Rank, caller: int, n=n, batches=batches) -> None:
-                assert rank.client.store_cuda(rank.ns, next(batches), list(range(caller * n, (caller + 1) * n)), rank.ready) == n
+                keys = keyed(next(batches), rank.suffix)
+                assert rank.client.store_cuda(rank.ns, keys, list(range(caller * n, (caller + 1) * n)), rank.ready) == n
 
             result["load_GBps"][n] = sustained_aggregate_GBps(ranks, load, n, rounds)  # before stores evict them
             result["store_GBps"][n] = sustained_aggregate_GBps(ranks, store, n, rounds)

@@ -96,28 +96,30 @@ def test_store_in_one_engine_load_in_another_is_byte_exact(link):
     assert b.stats.loaded_blocks == 5
 
 
-def test_the_stages_of_a_pipeline_parallel_engine_keep_blocks_of_their_own(daemon):
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_stages_of_a_pipeline_parallel_engine_keep_blocks_of_their_own(daemon, tp_size):
     """Each stage holds other layers under the same block hashes: a stage loads what it stored
-    itself, never another stage's layers."""
-    pipeline = engine_spec()
+    itself, never another stage's layers. Each stage is a namespace; its TP ranks share it."""
+    pipeline = tp_spec(tp_size)
     pipeline.pp_size = 2
-    links = [DaemonLink(daemon.address, f"stage-{rank}", timeout=10.0, reconnect_interval=0.2) for rank in range(2)]
+    workers = [(stage, rank) for stage in range(2) for rank in range(tp_size)]
+    links = [DaemonLink(daemon.address, f"stage-{stage}-{rank}", timeout=10.0, reconnect_interval=0.2) for stage, rank in workers]
     try:
-        stages = []
-        for rank, link in enumerate(links):
-            layers = kv_cache(seed=rank)
-            stage = BlockTransfers(link, LayerMajorKV(layers), pp_rank=rank)
-            stage.configure(pipeline.SerializeToString(deterministic=True))
-            stages.append((stage, layers))
+        caches = []
+        for (stage, rank), link in zip(workers, links, strict=True):
+            layers = kv_cache(seed=10 * stage + rank)
+            worker = BlockTransfers(link, LayerMajorKV(layers), tp_rank=rank, pp_rank=stage)
+            worker.configure(pipeline.SerializeToString(deterministic=True))
+            caches.append((worker, layers))
         hashes = chain_hashes("pipeline", 2)
-        for stage, _ in stages:
-            stage.save([StoreJob("r1", [0, 1], hashes)])
-            wait(lambda stage=stage: stage.stats.stored_blocks == 2)
-        stage, layers = stages[1]
-        stage.start_loads([LoadJob("r2", [5, 6], hashes)])
-        assert drain_loads(stage) == ({"r2"}, set())
+        for worker, _ in caches:
+            worker.save([StoreJob("r1", [0, 1], hashes)])
+            wait(lambda worker=worker: worker.stats.stored_blocks == 2)
+        worker, layers = caches[-1]  # the last stage's last rank
+        worker.start_loads([LoadJob("r2", [5, 6], hashes)])
+        assert drain_loads(worker) == ({"r2"}, set())
         assert all(torch.equal(layer[5:7], layer[0:2]) for layer in layers)  # its own blocks 0 and 1
-        assert len(daemon.admin("ListNamespaces").namespaces) == 2
+        assert [n.blocks for n in daemon.admin("ListNamespaces").namespaces] == [2 * tp_size] * 2
     finally:
         for link in links:
             link.close()
@@ -725,6 +727,29 @@ def queued_gpu_stores(link, seed: int, monkeypatch) -> tuple[BlockTransfers, lis
     stuck = threading.Event()
     link.submit(lambda client, ns: stuck.wait(30))
     return worker, sent, stuck
+
+
+def test_a_tensor_parallel_ranks_store_calls_and_their_resends_carry_its_rank(daemon, monkeypatch):
+    """A GPU worker's store call, and the one a preemption sends again without the preempted
+    request's blocks, carry the rank's keys (the copy itself needs a GPU: recorded here)."""
+    link = DaemonLink(daemon.address, "rank-1", timeout=10.0, reconnect_interval=0.2)
+    try:
+        worker = BlockTransfers(link, LayerMajorKV(kv_cache(3)), tp_rank=1, delay_frees=True)
+        worker.configure(tp_spec(2).SerializeToString(deterministic=True))
+        sent = []
+        monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(hashes) or len(ids))
+        stuck = threading.Event()
+        link.submit(lambda client, ns: stuck.wait(30))
+        hashes = chain_hashes("rank-keys", 4)
+        worker._device_stores.update({"preempted": [], "running": []})
+        worker._pending_gpu_stores = 1
+        worker._submit_gpu_store([StoreJob("preempted", [0, 1], hashes[:2]), StoreJob("running", [2, 3], hashes[2:])], ready=7)
+        worker.fence({"preempted"})
+        stuck.set()
+        wait(lambda: worker.finished_stores({"running"}) == {"running"})
+        assert sent == [[h + b"\x00\x01" for h in hashes[2:]]]
+    finally:
+        link.close()
 
 
 def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, monkeypatch):

@@ -90,14 +90,14 @@ def show_namespaces(r: pb.ListNamespacesResponse) -> str:
             n.spec.kv_dtype,
             n.spec.tokens_per_block,
             format_size(n.spec.block_bytes),
-            f"{n.spec.tp_rank}/{n.spec.tp_size}",
+            n.spec.tp_size or 1,
             n.blocks,
             format_size(n.bytes),
             n.engines,
         ]
         for n in r.namespaces
     ]
-    return table(["namespace", "model", "dtype", "tokens/block", "block size", "tp rank", "blocks", "bytes", "engines"], rows)
+    return table(["namespace", "model", "dtype", "tokens/block", "block size", "tp size", "blocks", "bytes", "engines"], rows)
 
 
 def _block_rows(blocks) -> list[list[object]]:

@@ -313,7 +313,6 @@ class BlockTransfers:
             for job in jobs:
                 self._device_stores.setdefault(job.req_id, [])
         block_ids = [b for job in jobs for b in job.block_ids]
-        hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         if not block_ids or self._disabled or self.kv is None:
             return
         if self._gpu_kv is not None:  # the daemon (cuda_ipc) or our kernel (shm) reads the blocks after this step
@@ -336,6 +335,7 @@ class BlockTransfers:
                 return
             self._pending_store_bytes += size
         layers = self.kv.snapshot(block_ids)
+        hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
