@@ -68,7 +68,9 @@ def engine_config(tmp_path, **changes):
         model_config=model,
         cache_config=SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256", **changes.pop("cache", {})),
         parallel_config=parallel,
-        load_config=SimpleNamespace(load_format=changes.pop("load_format", "auto")),
+        load_config=SimpleNamespace(
+            load_format=changes.pop("load_format", "auto"), model_loader_extra_config=changes.pop("loader_extra", {})
+        ),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=changes.pop("extra_config", {})),
     )
     groups = [KVCacheGroupSpec(layer_names=["layer.0", "layer.1"], kv_cache_spec=kv_spec)]
@@ -108,6 +110,29 @@ def test_what_changes_a_models_kv_values_changes_its_namespace(tmp_path):
     assert digest(tmp_path) == base
     weights.write_bytes(b"other-w")  # other weights of the same size: another
     assert digest(tmp_path) != base
+
+
+def test_tensorizer_weights_are_part_of_the_models_identity(tmp_path):
+    """--load-format tensorizer reads the weights from its tensorizer_uri (or _dir); --model names only
+    the config: other weights are another namespace, a local file's by its contents too (other weights
+    written over the same path), and nothing else of the loader's config (S3 credentials) is kept."""
+    from vllm.model_executor.model_loader.tensorizer import TensorizerConfig
+
+    def tensorized(uri, **more):
+        return digest(tmp_path, load_format="tensorizer", loader_extra={"tensorizer_config": {"tensorizer_uri": uri, **more}})
+
+    local = tmp_path / "a.tensors"
+    local.write_bytes(b"weights-a")
+    base = digest(tmp_path)
+    assert len({base, tensorized("s3://bucket/a.tensors"), tensorized("s3://bucket/b.tensors")}) == 3
+    before = tensorized(str(local))
+    assert before == tensorized(str(local)) and before != base
+    local.write_bytes(b"weights-b")
+    assert tensorized(str(local)) != before
+    assert tensorized("s3://bucket/a.tensors", s3_secret_access_key="x") == tensorized("s3://bucket/a.tensors")
+    config = TensorizerConfig(tensorizer_uri="s3://bucket/a.tensors")
+    assert digest(tmp_path, load_format="tensorizer", loader_extra=config) == tensorized("s3://bucket/a.tensors")
+    assert "secret" not in str(spec_of(tmp_path, load_format="tensorizer", loader_extra=config).extra)
 
 
 def test_each_kv_cache_encoding_is_a_namespace_of_its_own(tmp_path):

@@ -180,6 +180,7 @@ def model_identity(vllm_config) -> dict[str, str]:
     (rope scaling, ...; a function by its code), a hub model's revisions as the commits vLLM resolved
     them to (a branch moves), where its weights come from when vLLM pulled the
     configs apart from them (model_weights: object storage), random weights (load_format dummy),
+    tensorizer weights (their URI, and a local file's contents),
     and for a local model (and config) directory or file the names, sizes and contents of its model
     files (model_files: another model copied under the same path is another namespace, the same
     files copied anew are not). Not the loaded HF config: model code may change it while the engine
@@ -202,12 +203,26 @@ def model_identity(vllm_config) -> dict[str, str]:
     }
     if weights := getattr(model_config, "model_weights", ""):
         identity["model_weights"] = str(weights)
-    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")) == "dummy":
+    load_config = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load_config, "load_format", ""))
+    if load_format == "dummy":
         identity["load_format"] = "dummy"
-    for key, path in (("files", model_config.model), ("config_files", config_path)):
+    if tensors := (_tensorizer_uri(load_config) if load_format == "tensorizer" else ""):
+        identity["tensorizer_uri"] = tensors
+    for key, path in (("files", model_config.model), ("config_files", config_path), ("tensorizer_files", tensors)):
         if path and os.path.exists(str(path)):
             identity[key] = files_fingerprint(Path(str(path)))
     return identity
+
+
+def _tensorizer_uri(load_config) -> str:
+    """Where a tensorizer-loaded model's weights are (--model then names only its config): its
+    tensorizer_uri, or tensorizer_dir; not the rest of the config, which may hold S3 credentials."""
+    config = getattr(load_config, "model_loader_extra_config", None) or {}
+    if isinstance(config, dict):
+        config = config.get("tensorizer_config", config)
+    get = config.get if hasattr(config, "get") else lambda key: getattr(config, key, None)
+    return str(get("tensorizer_uri") or get("tensorizer_dir") or "")
 
 
 def _commit(revision) -> str:
