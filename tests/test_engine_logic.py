@@ -125,6 +125,18 @@ def test_the_stages_of_a_pipeline_parallel_engine_keep_blocks_of_their_own(daemo
             link.close()
 
 
+def test_a_store_whose_commit_is_lost_on_its_way_leaves_no_reservation(link, daemon, monkeypatch):
+    """A commit that fails in transport (the session still alive) is followed by an abort: its pages
+    go back at once instead of staying reserved until the daemon's --lease-ttl."""
+    worker, _ = transfers(link, seed=4)
+    lost = grpc.RpcError("the connection broke while the commit was on its way")
+    monkeypatch.setattr(KVTierClient, "commit", lambda self, *args, **kwargs: (_ for _ in ()).throw(lost))
+    worker.save([StoreJob("r1", [0, 1], chain_hashes("lost-commit", 2))])
+    wait(lambda: worker.stats.store_failures == 2)
+    stats = daemon.admin("GetStats")
+    assert stats.reserved_bytes == 0 and stats.pool_used_bytes == 0
+
+
 def test_loads_fail_when_blocks_are_gone_or_corrupt(link, daemon):
     a, _ = transfers(link, seed=1)
     b, _ = transfers(link, seed=2)

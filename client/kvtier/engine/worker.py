@@ -451,7 +451,8 @@ def _reserve_write_commit(
     client: KVTierClient, ns: Namespace, hashes: list[bytes], write: Callable[[Reservation], np.ndarray]
 ) -> int:
     """Reserve `hashes`, let `write` fill the reserved blocks (returning their checksums), commit;
-    abort if the write fails. Returns how many blocks were committed. Many hashes go in runs of at
+    abort if the write or the commit fails (a commit lost on its way would otherwise hold its pages
+    until the daemon's --lease-ttl). Returns how many blocks were committed. Many hashes go in runs of at
     most the daemon's max_batch_blocks, one reservation each; the Reservation `write` gets has a
     status for each of `hashes` (those outside its run PRESENT), so its reserved_indices index them."""
     committed, limit = 0, client.state.max_batch_blocks
@@ -463,10 +464,11 @@ def _reserve_write_commit(
         statuses[start : start + len(run.statuses)] = run.statuses
         try:
             sums = write(Reservation(run.id, statuses, run.page_ids))
+            committed += client.commit(run.id, checksums=sums)
         except BaseException:
-            client.abort(run.id)
+            with contextlib.suppress(Exception):  # (committed after all, or the daemon gone: nothing to abort)
+                client.abort(run.id)
             raise
-        committed += client.commit(run.id, checksums=sums)
     return committed
 
 
