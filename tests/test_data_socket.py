@@ -354,3 +354,54 @@ def test_a_client_without_a_timeout_calls_over_the_data_socket(start_daemon):
     with KVTierClient(daemon.address, timeout=None) as client:
         ns = client.register(spec(block_bytes=BLOCK))
         assert client.data_socket is not None and client.lookup(ns, [b"h" * 32]).hit_count == 0
+
+
+def on_uvloop(check) -> None:
+    """Run `check(reader, writer, peer)` on uvloop, the daemon's event loop, over a connected pair of
+    Unix sockets (the daemon's side opened as the data socket server opens its connections)."""
+    import uvloop
+
+    async def run() -> None:
+        ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with peer:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            try:
+                await check(reader, writer, peer)
+            finally:
+                writer.close()
+
+    uvloop.run(run())
+
+
+def test_an_answer_to_a_connection_the_client_reset_is_undelivered():
+    """A client that closes with an answer of ours unread resets the connection, and the event loop
+    closes it: the next answer is undelivered (its holds then end) instead of raising an error
+    uvloop gives for writes to closed connections (RuntimeError), which skipped that."""
+    from kvtierd import data_socket
+
+    async def check(reader, writer, peer) -> None:
+        writer.write(b"an answer the client never reads")
+        await writer.drain()
+        peer.close()
+        with pytest.raises(ConnectionResetError):
+            await reader.read(1)
+        with pytest.raises(ConnectionError):
+            await data_socket._answer(writer, 0, b"the next answer")
+
+    on_uvloop(check)
+
+
+def test_an_answer_the_client_does_not_read_in_time_closes_its_connection(monkeypatch):
+    """An answer still unread after ANSWER_WRITE_TIMEOUT_S is undelivered and its connection closed,
+    so that a client that never reads does not keep answers of up to --max-message-size in memory."""
+    from kvtierd import data_socket
+
+    monkeypatch.setattr(data_socket, "ANSWER_WRITE_TIMEOUT_S", 0.3)
+
+    async def check(reader, writer, peer) -> None:
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not read its answer"):
+            await data_socket._answer(writer, 0, b"x" * (32 << 20))
+        assert time.monotonic() - started < 5 and writer.transport.is_closing()
+
+    on_uvloop(check)

@@ -4,6 +4,8 @@ Each call goes to the same DataService handler as its gRPC twin, through the sam
 wrapper (timing metrics, error statuses, log lines); a refused call answers its gRPC status code
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
+An answer the client has not taken within ANSWER_WRITE_TIMEOUT_S closes its connection (a client
+that never reads would otherwise keep its answers, up to --max-message-size each, in memory).
 A handler may answer before it ends (`answer_now`: a GPU load answers the moment its bytes are
 seen in place, and releases its blocks after). An answer that cannot be written (the client went
 away meanwhile) ends the leases and reservations it carried (`on_undelivered`): nobody else knows
@@ -29,6 +31,7 @@ from kvtierd.rpc import parse
 log = logging.getLogger("kvtierd.data_socket")
 
 _OK = 0
+ANSWER_WRITE_TIMEOUT_S = 10.0  # the longest an answer may wait for its client to read it
 
 
 class _Refused(Exception):
@@ -122,7 +125,7 @@ class DataSocketServer:
                         raise
                 context.delivered()
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away (between calls, or in the middle of one)
+            pass  # the client went away (between calls, or in the middle of one), or never read its answer
         finally:
             self._writers.discard(writer)
             writer.close()
@@ -142,5 +145,13 @@ def _frame(status: int, body: bytes) -> bytes:
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+    """Write an answer; ConnectionError when it cannot reach the client: the connection closed (a
+    write to a closed transport raises RuntimeError under uvloop) or not read in time."""
+    if writer.is_closing():
+        raise ConnectionError("the connection closed before the answer")
     writer.write(_frame(status, body))
-    await writer.drain()
+    try:
+        await asyncio.wait_for(writer.drain(), ANSWER_WRITE_TIMEOUT_S)
+    except TimeoutError:
+        writer.transport.abort()  # (the answer's unsent bytes go with the connection)
+        raise ConnectionError(f"the client did not read its answer within {ANSWER_WRITE_TIMEOUT_S} s") from None
