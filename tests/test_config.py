@@ -74,6 +74,8 @@ def test_default_socket_follows_xdg_runtime_dir(monkeypatch, tmp_path):
         (["--max-message-size", "2GiB"], "below 2 GiB"),  # (gRPC's limit is an int32: the daemon died at start)
         (["--socket", "/tmp/a%41.sock"], "gRPC reads it as a URI"),  # (gRPC bound /tmp/aA.sock: another daemon's)
         (["--lease-ttl", "5000000"], "about 49.7 days"),  # (announced in milliseconds, a uint32)
+        (["--max-batch-blocks", "5000000000"], "below 2\\*\\*32"),  # (announced as a uint32: a traceback at start)
+        (["--max-namespaces", "0"], "max_namespaces must be >= 1"),
     ],
 )
 def test_bad_options_exit_with_a_message(argv, message):

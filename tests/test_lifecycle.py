@@ -2,6 +2,8 @@
 
 import fcntl
 import os
+import re
+import resource
 import shutil
 import signal
 import socket
@@ -91,6 +93,17 @@ def test_tcp_only_when_asked(start_daemon):
     start_daemon("--pool-size", "16MiB", "--listen", f"127.0.0.1:{port}")
     with KVTierClient(f"127.0.0.1:{port}") as client:
         assert client.register(spec()).id
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_the_open_files_limit_goes_up_to_the_hard_one(start_daemon):
+    """Connections of many engines and the fs tier's files must not run out of descriptors at the
+    common soft limit of 1024: the daemon raises its soft limit to the hard one."""
+    hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
+    daemon = start_daemon(prefix=("prlimit", f"--nofile=256:{hard}"))
+    limits = Path(f"/proc/{daemon.process.pid}/limits").read_text()
+    assert re.search(rf"^Max open files\s+{hard}\s+{hard}\s", limits, re.M), limits
+    assert f"open files limit raised from=256 to={hard}" in daemon.log()
 
 
 def test_second_daemon_on_the_same_socket_is_refused(daemon):

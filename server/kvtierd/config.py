@@ -184,8 +184,8 @@ def _validate(config: Config) -> None:
         problems.append("lease_ttl must be > 0 and below 2**32 milliseconds (about 49.7 days)")
     if not 1 << 20 <= config.max_message_size < 1 << 31:  # (a load's answer keeps 64 KiB; gRPC's limit is an int32)
         problems.append("max_message_size must be at least 1 MiB and below 2 GiB")
-    if config.max_batch_blocks < 1 or config.max_namespaces < 1:
-        problems.append("max_batch_blocks and max_namespaces must be >= 1")
+    if not (0 < config.max_batch_blocks < 1 << 32 and 0 < config.max_namespaces < 1 << 32):  # (announced as uint32s)
+        problems.append("max_batch_blocks and max_namespaces must be >= 1 and below 2**32")
     if config.fs_path and config.fs_size <= 0:
         problems.append("fs_size must be given (> 0) with fs_path")
     if config.fs_io_threads < 1:
