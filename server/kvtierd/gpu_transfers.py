@@ -60,7 +60,7 @@ SLOW_POLL_S = 0.001  # every this long (a copy slower than expected: another GPU
 READY_SPIN_S = 0.0002  # a store's ready event is checked on every turn of the loop this long, then every SLOW_POLL_S
 MAX_READY_EVENTS = 256  # bound on an engine's ring of ready events
 MAX_FIELD = 1 << 48  # bound on every offset, stride and size an engine sends (256 TiB)
-MAX_RUNS = 1024  # bound on a block's runs (vLLM: one or two per layer); each is a copy segment or more
+MAX_RUNS = 1024  # bound on a block's runs (vLLM: one or two per layer; each a copy segment or more) and on allocations
 IPC_HANDLE_BYTES = 64  # a cudaIpcMemHandle_t / cudaIpcEventHandle_t: torch reads this many, whatever it is given
 REF_COUNTER_NAME = re.compile(r"/torch_[0-9]+_[0-9]+(_[0-9]+)?")  # torch's shared-memory ref counter files
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of an IPC ref counter file
@@ -418,8 +418,9 @@ def _checked_runs(cache: pb.CudaKVCache, block_bytes: int) -> list[Run]:
     with whole IPC handles and a ref counter slot within a torch ref counter file."""
     if not cache.allocations or not cache.runs or cache.num_blocks == 0:
         raise InvalidArgument("cuda_kv needs allocations, runs and num_blocks")
-    if len(cache.runs) > MAX_RUNS:
-        raise InvalidArgument(f"cuda_kv has {len(cache.runs)} runs per block; at most {MAX_RUNS}")
+    if len(cache.runs) > MAX_RUNS or len(cache.allocations) > MAX_RUNS:
+        counts = f"{len(cache.runs)} runs per block and {len(cache.allocations)} allocations"
+        raise InvalidArgument(f"cuda_kv has {counts}; at most {MAX_RUNS} each")
     if not cache.ready_events or len(cache.ready_events) > MAX_READY_EVENTS:
         raise InvalidArgument(f"cuda_kv needs the engine's ring of 1 to {MAX_READY_EVENTS} ready events (stores wait on them)")
     for allocation in cache.allocations:
