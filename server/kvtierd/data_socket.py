@@ -150,8 +150,11 @@ async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes) -> Non
     if writer.is_closing():
         raise ConnectionError("the connection closed before the answer")
     writer.write(_frame(status, body))
+    drained = writer.drain()  # (raises when the write found the client gone)
+    if writer.transport.get_write_buffer_size():  # (the socket took most answers whole: no timer for them)
+        drained = asyncio.wait_for(drained, ANSWER_WRITE_TIMEOUT_S)
     try:
-        await asyncio.wait_for(writer.drain(), ANSWER_WRITE_TIMEOUT_S)
+        await drained
     except TimeoutError:
         writer.transport.abort()  # (the answer's unsent bytes go with the connection)
         raise ConnectionError(f"the client did not read its answer within {ANSWER_WRITE_TIMEOUT_S} s") from None
