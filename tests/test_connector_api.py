@@ -218,15 +218,18 @@ def test_pipeline_stages_are_part_of_the_namespace(tmp_path):
 
 
 def test_engines_whose_blocks_are_not_their_hashes_tokens_run_without_the_cache(tmp_path):
-    """Sliding-window attention (blocks outside the window are vLLM's null block), context
-    parallelism (a scheduler block spans several workers' blocks) and hashes over another span of
-    tokens than a block are refused: the connector then serves nothing."""
+    """Sliding-window attention (blocks outside the window are vLLM's null block), non-causal
+    layers (Prefix LM: a prefix's KV depends on what follows it), context parallelism (a scheduler
+    block spans several workers' blocks) and hashes over another span of tokens than a block are
+    refused: the connector then serves nothing."""
     import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64)
+    prefix_lm = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32, non_causal=True)
     for changes, reason in [
         ({"kv_spec": window}, "full attention only"),
+        ({"kv_spec": prefix_lm}, "causal attention only"),
         ({"parallel": {"decode_context_parallel_size": 2}}, "context parallelism"),
         ({"parallel": {"prefill_context_parallel_size": 2}}, "context parallelism"),
         ({"hash_block_size": 32}, "one block size"),

@@ -156,13 +156,17 @@ def kv_format(cache_config) -> dict[str, str]:
 def check_supported(vllm_config, kv_cache_config, spec) -> None:
     """Refuse (ValueError: the engine runs without the cache) what would make a block's bytes not
     those of its hash's tokens: attention other than full (a sliding window's blocks outside it are
-    vLLM's null block), context parallelism (a scheduler block spans several workers' blocks, and
-    the hashes with it), or hashes over other spans of tokens than a block."""
+    vLLM's null block) or not causal (a Prefix-LM layer's KV of a prefix depends on the tokens after
+    it: vLLM turns its own prefix cache off for such models, but still hashes blocks for a
+    connector), context parallelism (a scheduler block spans several workers' blocks, and the hashes
+    with it), or hashes over other spans of tokens than a block."""
     from vllm.v1 import kv_cache_interface  # noqa: PLC0415
 
     full = tuple(getattr(kv_cache_interface, name, None) for name in ("FullAttentionSpec", "MLAAttentionSpec"))
     if type(spec) not in full or getattr(spec, "tokens_per_state", 1) != 1:
         raise ValueError(f"kvtier supports full attention only, not {type(spec).__name__}")
+    if getattr(spec, "non_causal", False):
+        raise ValueError("kvtier supports causal attention only (this model has non-causal layers)")
     parallel = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
