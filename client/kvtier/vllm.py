@@ -371,6 +371,18 @@ class KVTierConnector(KVConnectorBase_V1):
             scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
         return KVTierMetadata(planner.plan_step(scheduled, sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())))
 
+    @guarded(default=False)
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), which RL frameworks call after replacing
+        the model's weights in place: the namespace, made from the model's files, would hand out
+        KV of the old weights. This engine stops using the cache until it restarts (nothing tells
+        which engines share the new weights)."""
+        if self._planner is not None:
+            self._planner.stop()
+        self._unsupported = True  # (nor is one made after this)
+        log.warning("kvtier: prefix cache reset (weights replaced?); this engine no longer uses the cache until it restarts")
+        return True
+
     @guarded()
     def update_connector_output(self, connector_output) -> None:
         if self._planner is not None:

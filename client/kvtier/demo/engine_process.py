@@ -5,10 +5,12 @@
 SPEC: {"model", "dtype", "kv_bytes", "max_tokens", "connector": null | {kvtier extra config},
        "kv_transfer": null | {KVTransferConfig arguments, for other connectors},
        "multiprocess": bool, "block_size": int | null,
-       "phases": [{"prompts": [{"tokens": [...], "cache_salt": str | null}], "wait_for": path | null}]}
-Before each phase with "wait_for", it prints "WAITING <i>" and waits for that file to exist. After
-each phase it prints "PHASE <i> DONE". RESULT gets, per phase and prompt: output tokens,
-num_cached_tokens and the time of the generate call.
+       "phases": [{"prompts": [{"tokens": [...], "cache_salt": str | null}], "wait_for": path | null,
+                   "reset_prefix_cache": bool}]}
+Before each phase with "wait_for", it prints "WAITING <i>" and waits for that file to exist; before
+one with "reset_prefix_cache", it resets vLLM's prefix cache and the connector's (as after a weight
+update). After each phase it prints "PHASE <i> DONE". RESULT gets, per phase and prompt: output
+tokens, num_cached_tokens and the time of the generate call; and what each reset returned.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ def main(spec_path: str, result_path: str) -> None:
         kv_transfer_config=transfer,
         **extra,
     )
-    result = {"startup_s": time.perf_counter() - started, "phases": []}
+    result = {"startup_s": time.perf_counter() - started, "phases": [], "resets": []}
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False)
     for index, phase in enumerate(spec["phases"]):
         if phase.get("wait_for"):
             print(f"WAITING {index}", flush=True)
             while not os.path.exists(phase["wait_for"]):
                 time.sleep(0.05)
+        if phase.get("reset_prefix_cache"):
+            result["resets"].append(llm.reset_prefix_cache(reset_connector=True))
         outputs = []
         for prompt in phase["prompts"]:  # one at a time: per-request timings and cache effects in order
             fields = {"prompt_token_ids": prompt["tokens"]}
