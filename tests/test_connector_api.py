@@ -161,6 +161,27 @@ def test_a_tensor_parallel_engines_ranks_share_one_namespace_whose_keys_carry_th
     assert (tp.hash_bytes, tp.tp_size, tp.tp_rank) == (34, 4, 0)
 
 
+@pytest.mark.parametrize(
+    "device,block_size,setting,layout",
+    [
+        ("cuda", 16, None, "BLHNC"),
+        ("cuda", 64, None, "BLHNC"),
+        ("cuda", 128, None, None),  # FlashInfer / FlashMLA would split it into kernel blocks: vLLM would not start
+        ("cuda", 128, True, "BLHNC"),
+        ("cuda", 16, False, None),
+        ("cpu", 16, None, None),
+    ],
+)
+def test_gpu_engines_ask_for_a_block_outermost_layout_where_no_kernel_splits_blocks(device, block_size, setting, layout):
+    extra = {} if setting is None else {"block_outermost_layout": setting}
+    vllm_config = SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        cache_config=SimpleNamespace(block_size=block_size),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+    )
+    assert KVTierConnector.get_required_kvcache_layout(vllm_config) == layout
+
+
 def test_speculative_decoding_on_the_targets_hidden_states_drops_the_last_block_of_hits():
     """As vLLM's scheduler decides for its own prefix cache (SpeculativeConfig.use_eagle_block_drop)."""
     from vllm.config import SpeculativeConfig

@@ -39,6 +39,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 log = logging.getLogger("kvtier.vllm")
 
 NAMESPACE_LAYOUT = "vllm-layer-major-blocks"
+UNSPLIT_BLOCK_TOKENS = 64  # blocks of up to this many tokens: the kernel block of every CUDA attention backend
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ConnectorConfig:
     max_pending_store_bytes: int = 512 << 20
     engine_name: str = ""
     debug_load_delay_s: float = 0.0  # wait before each load (widens race windows in tests; leave 0)
-    block_outermost_layout: bool = True  # GPU engines ask vLLM for BLHNC: one contiguous run per block
+    block_outermost_layout: bool | None = None  # GPU engines ask vLLM for BLHNC (one run per block); None: when safe
     namespace_extra: dict = field(default_factory=dict)  # added to the namespace digest
 
     @classmethod
@@ -322,9 +323,15 @@ class KVTierConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         """Block-outermost on GPUs (where every attention backend accepts it, vLLM uses it; otherwise
-        it warns and keeps a layer-major layout, which works too)."""
+        it warns and keeps a layer-major layout, which works too). Not by default for blocks of more
+        than UNSPLIT_BLOCK_TOKENS tokens: a backend whose kernels take smaller blocks (FlashInfer's
+        16/32/64, FlashMLA's 64) splits each block, which a block-outermost layout cannot hold, and
+        vLLM then refuses to start."""
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        return "BLHNC" if _on_gpu(vllm_config) and extra.get("block_outermost_layout", True) else None
+        wanted = extra.get("block_outermost_layout")
+        if wanted is None:
+            wanted = vllm_config.cache_config.block_size <= UNSPLIT_BLOCK_TOKENS
+        return "BLHNC" if _on_gpu(vllm_config) and wanted else None
 
     @property
     def requires_kv_delivery(self) -> bool:
