@@ -137,6 +137,29 @@ def test_a_store_whose_commit_is_lost_on_its_way_leaves_no_reservation(link, dae
     assert stats.reserved_bytes == 0 and stats.pool_used_bytes == 0
 
 
+def test_a_pipeline_stage_of_fewer_layers_keeps_blocks_of_its_own_size(daemon):
+    """The scheduler's spec is stage 0's; a stage holding fewer layers (an uneven split) registers
+    its stage's namespace with its own layers and block size instead of turning its transfers off."""
+    pipeline = engine_spec()
+    pipeline.pp_size = 2
+    link = DaemonLink(daemon.address, "stage-1", timeout=10.0, reconnect_interval=0.2)
+    try:
+        layers = kv_cache(seed=6)[:-1]
+        stage = BlockTransfers(link, LayerMajorKV(layers), pp_rank=1)
+        stage.configure(pipeline.SerializeToString(deterministic=True))
+        hashes = chain_hashes("short-stage", 2)
+        stage.save([StoreJob("r1", [0, 1], hashes)])
+        wait(lambda: stage.stats.stored_blocks == 2)
+        stage.start_loads([LoadJob("r2", [5, 6], hashes)])
+        assert drain_loads(stage) == ({"r2"}, set())
+        assert all(torch.equal(layer[5:7], layer[0:2]) for layer in layers)
+        (namespace,) = daemon.admin("ListNamespaces").namespaces
+        assert (namespace.spec.pp_rank, namespace.spec.num_layers) == (1, LAYERS - 1)
+        assert namespace.spec.block_bytes == pipeline.block_bytes // LAYERS * (LAYERS - 1)
+    finally:
+        link.close()
+
+
 def test_loads_fail_when_blocks_are_gone_or_corrupt(link, daemon):
     a, _ = transfers(link, seed=1)
     b, _ = transfers(link, seed=2)

@@ -179,7 +179,8 @@ class BlockTransfers:
 
     def configure(self, namespace_spec: bytes) -> None:
         """Adopt the namespace the scheduler side computed (the TP ranks share it, each with keys of its
-        own; each pipeline stage has its own); refuse it if our cache's geometry differs."""
+        own; each pipeline stage has its own, of its own layers: the scheduler's is stage 0's, and
+        stages may hold other numbers of layers); refuse it if our cache's geometry differs."""
         if not namespace_spec or namespace_spec == self._spec:
             return
         self._spec = namespace_spec
@@ -191,6 +192,9 @@ class BlockTransfers:
         except Exception:  # noqa: BLE001 (a bad plan disables transfers, it never raises into the engine)
             self._disabled = "unreadable namespace spec"
             return
+        if self.pp_rank and spec.chunk_bytes and self.kv.block_bytes % spec.chunk_bytes[0] == 0:
+            layers = self.kv.block_bytes // spec.chunk_bytes[0]  # (one KV cache group: every layer's page alike)
+            spec.num_layers, spec.block_bytes, spec.chunk_bytes[:] = layers, self.kv.block_bytes, [spec.chunk_bytes[0]] * layers
         if spec.block_bytes != self.kv.block_bytes:
             self._disabled = f"namespace block_bytes {spec.block_bytes} != KV cache block bytes {self.kv.block_bytes}"
             log.error("kvtier transfers disabled: %s", self._disabled)
