@@ -72,6 +72,7 @@ def engine_config(tmp_path, **changes):
             load_format=changes.pop("load_format", "auto"), model_loader_extra_config=changes.pop("loader_extra", {})
         ),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=changes.pop("extra_config", {})),
+        device_config=SimpleNamespace(device_type=changes.pop("device", "cpu")),
     )
     groups = [KVCacheGroupSpec(layer_names=["layer.0", "layer.1"], kv_cache_spec=kv_spec)]
     kv_cache_config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups, **changes)
@@ -180,6 +181,32 @@ def test_gpu_engines_ask_for_a_block_outermost_layout_where_no_kernel_splits_blo
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
     )
     assert KVTierConnector.get_required_kvcache_layout(vllm_config) == layout
+
+
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_gpu_request_preempted_between_steps_then_aborted_is_freed_at_once(tmp_path, preempted):
+    """A GPU engine's request with stores planned is freed only once the workers report its stores,
+    unless vLLM preempted it since its last step (as reset_prefix_cache(reset_running_requests=True)
+    does, outside any step): its blocks went back then, and the workers fence its stores in the next
+    step instead of reporting them, so vLLM would wait for that request forever."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    address = f"unix://{tmp_path}/absent.sock"
+    vllm_config, kv_cache_config = engine_config(tmp_path, device="cuda", extra_config={"address": address})
+    connector = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    try:
+        request = SimpleNamespace(
+            request_id="r", block_hashes=[b"a" * 32, b"b" * 32], num_prompt_tokens=33, num_computed_tokens=0,
+            num_preemptions=0, kv_transfer_params=None,
+        )  # fmt: skip
+        connector.get_num_new_matched_tokens(request, 0)
+        blocks = SimpleNamespace(get_block_ids=lambda req_id: ([4, 5],))
+        step = SimpleNamespace(num_scheduled_tokens={"r": 32}, kv_connector_block_state=blocks, preempted_req_ids=set())
+        assert [job.block_ids for job in connector.build_connector_meta(step).plan.stores] == [[4, 5]]
+        request.num_preemptions += preempted
+        assert connector.request_finished(request, [4, 5]) == (not preempted, None)
+    finally:
+        connector.shutdown()
 
 
 def test_speculative_decoding_on_the_targets_hidden_states_drops_the_last_block_of_hits():

@@ -285,6 +285,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._unsupported = False
         self._transfers: BlockTransfers | None = None
         self._requests: dict[str, Any] = {}
+        self._preemptions: dict[str, int] = {}  # per request scheduled: its preemptions as of its last step
         self._failed_loads: set[str] = set()
         self._vllm_config = vllm_config
         self._link.connect_soon(map_pool=role == KVConnectorRole.WORKER and not _on_gpu(vllm_config))
@@ -376,6 +377,7 @@ class KVTierConnector(KVConnectorBase_V1):
             else:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
+            self._preemptions[req_id] = getattr(request, "num_preemptions", 0)
         return KVTierMetadata(planner.plan_step(scheduled, sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())))
 
     @guarded(default=False)
@@ -399,9 +401,11 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded(default=lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        preemptions = getattr(request, "num_preemptions", 0)
+        preempted = self._preemptions.pop(request.request_id, preemptions) != preemptions
         # An unfinished load delays the free; so do stores on GPU engines (the copy runs after the step;
-        # CPU engines copy the blocks out at the end of their step).
-        loading = self._planner is not None and self._planner.finished(request.request_id)
+        # CPU engines copy the blocks out at the end of their step), unless preempted since.
+        loading = self._planner is not None and self._planner.finished(request.request_id, preempted)
         return loading, None
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):

@@ -192,12 +192,14 @@ class PrefixPlanner:
                 self.stats.load_failures += 1
                 log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
-    def finished(self, req_id: str) -> bool:
+    def finished(self, req_id: str, preempted_since_planned: bool = False) -> bool:
         """vLLM's request_finished: True while a load still writes into the request's blocks, or (GPU
         engines) stores may still read them, so vLLM keeps them until the workers report (and then
-        frees them)."""
+        frees them). A request preempted since its last step (vLLM preempts outside a step to reset
+        its prefix cache) had its blocks freed then, and the workers fence its stores in the next
+        step instead of reporting them: its stores hold nothing."""
         self._requests.pop(req_id, None)
         self._queued.pop(req_id, None)
-        storing = req_id in self._storing
+        storing = req_id in self._storing and not preempted_since_planned
         self._storing.discard(req_id)
         return req_id in self._loading or storing
