@@ -160,6 +160,37 @@ def test_a_pipeline_stage_of_fewer_layers_keeps_blocks_of_its_own_size(daemon):
         link.close()
 
 
+def test_sleep_waits_for_calls_holding_blocks_and_nothing_copies_until_wake(link):
+    """vLLM's sleep mode unmaps the KV cache (unregister_kv_caches): sleep returns only once no call
+    holds the engine's blocks, a call still waiting for the link copies nothing, and until wake
+    (restore_kv_caches) loads fail and stores are skipped."""
+    writer, _ = transfers(link, seed=8)
+    hashes = chain_hashes("asleep", 2)
+    writer.save([StoreJob("r1", [0, 1], hashes)])
+    wait(lambda: writer.stats.stored_blocks == 2)
+    target = [torch.zeros_like(layer) for layer in kv_cache(9)]
+    worker = BlockTransfers(link, LayerMajorKV(target))
+    worker.configure(engine_spec().SerializeToString(deterministic=True))
+    stuck = threading.Event()
+    link.submit(lambda client, ns: stuck.wait(30))
+    worker.start_loads([LoadJob("queued", [5, 6], hashes)])  # waits for the link behind the stuck call
+    asleep = threading.Thread(target=worker.sleep)
+    asleep.start()
+    asleep.join(0.3)
+    assert asleep.is_alive()  # the queued load holds the blocks
+    stuck.set()
+    asleep.join(10)
+    assert not asleep.is_alive() and drain_loads(worker) == ({"queued"}, {"queued"})
+    assert all(not layer[5:7].any() for layer in target)  # nothing copied into the unmapped cache
+    worker.save([StoreJob("r2", [3], chain_hashes("while-asleep", 1))])
+    assert worker.stats.store_skipped_blocks == 1
+    worker.start_loads([LoadJob("asleep", [5, 6], hashes)])
+    assert drain_loads(worker) == ({"asleep"}, {"asleep"})
+    worker.wake()
+    worker.start_loads([LoadJob("awake", [5, 6], hashes)])
+    assert drain_loads(worker) == ({"awake"}, set())
+
+
 def test_loads_fail_when_blocks_are_gone_or_corrupt(link, daemon):
     a, _ = transfers(link, seed=1)
     b, _ = transfers(link, seed=2)

@@ -442,6 +442,17 @@ class KVTierConnector(KVConnectorBase_V1):
         if kv is not None:
             log.info("kvtier connector ready: %d layers, %d bytes per block", len(kv_caches), kv.block_bytes)
 
+    # vLLM 0.33's sleep mode (0.32 calls neither): the KV cache's memory goes away and comes back
+    @guarded()
+    def unregister_kv_caches(self) -> None:
+        if self._transfers is not None:
+            self._transfers.sleep()
+
+    @guarded()
+    def restore_kv_caches(self) -> None:
+        if self._transfers is not None:
+            self._transfers.wake()
+
     def _plan(self) -> StepPlan | None:
         if self._transfers is None or not self.has_connector_metadata():
             return None

@@ -170,6 +170,7 @@ class BlockTransfers:
     _spec: bytes = b""
     _key_suffix: bytes = b""  # follows each block hash in this rank's keys (rank_keys)
     _disabled: str = ""
+    _asleep: bool = False  # the KV cache's memory is unmapped (vLLM's sleep mode): nothing copies into or out of it
     _loads: dict[str, tuple[LoadJob, DeviceCall]] = field(default_factory=dict)
     _pending_store_bytes: int = 0
     _pending_gpu_stores: int = 0
@@ -209,6 +210,25 @@ class BlockTransfers:
                 log.exception("kvtier cannot share this KV cache with the daemon (cuda_ipc); the engine copies (shm)")
         self.link.set_namespace_spec(spec)
 
+    def sleep(self) -> None:
+        """vLLM's sleep mode unmaps the KV cache's memory (unregister_kv_caches): from now on nothing
+        is copied into or out of it, and this returns once no call holds its blocks (calls waiting
+        for the link thread then fail at once; each is held at most until its deadline and
+        CUDA_ANSWER_GRACE_S). Idempotent."""
+        self._asleep = True
+        calls = [call for _, call in self._loads.values()] + [c for held in self._device_stores.values() for c in held]
+        while not all(call.settled() for call in calls):
+            time.sleep(0.005)
+
+    def wake(self) -> None:
+        """The KV cache's memory is back (restore_kv_caches). Idempotent."""
+        self._asleep = False
+
+    def _check_awake(self) -> None:
+        """On the link thread, before a call copies: not while the KV cache's memory is unmapped."""
+        if self._asleep:
+            raise LoadFailed("not copied: the engine is asleep (its KV cache unmapped)")
+
     @property
     def _gpu_kv(self) -> GpuKV | None:
         return None if self.kv is None or isinstance(self.kv, LayerMajorKV) else self.kv
@@ -220,8 +240,8 @@ class BlockTransfers:
         for job in jobs:
             call = DeviceCall.due_in(self.load_delay_s + self.link.timeout)  # (the test delay comes first)
             try:
-                if self._disabled or self.kv is None:
-                    raise LoadFailed(self._disabled or "no KV cache registered")
+                if self._disabled or self.kv is None or self._asleep:
+                    raise LoadFailed(self._disabled or ("the engine is asleep" if self._asleep else "no KV cache registered"))
                 keys = LoadJob(job.req_id, job.block_ids, keyed(job.hashes, self._key_suffix))
                 call.future = self.link.submit(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
             except Exception as exc:  # noqa: BLE001
@@ -235,6 +255,7 @@ class BlockTransfers:
         slower than the same copy between two steps."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
+        self._check_awake()
         if ns.cuda_registration:
             loaded = call.run(partial(client.load_cuda, ns, job.block_ids, job.hashes, 0), daemon_copies=True)
             if loaded < len(job.hashes):
@@ -319,6 +340,9 @@ class BlockTransfers:
         block_ids = [b for job in jobs for b in job.block_ids]
         if not block_ids or self._disabled or self.kv is None:
             return
+        if self._asleep:
+            self.stats.store_skipped_blocks += len(block_ids)
+            return
         if self._gpu_kv is not None:  # the daemon (cuda_ipc) or our kernel (shm) reads the blocks after this step
             with self._lock:  # (a slow daemon must not hold ever more finished requests' blocks)
                 if self._pending_gpu_stores >= MAX_PENDING_GPU_STORES or not self.link.available:
@@ -359,6 +383,7 @@ class BlockTransfers:
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], ready: int, call: DeviceCall
     ) -> int:
         """Store the blocks the forward marked by the ring's ready event `ready` wrote."""
+        self._check_awake()
         if ns.cuda_registration:
             return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, ready, deadline_ns), daemon_copies=True)
 
