@@ -255,6 +255,49 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
     assert planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16)))]).stores[0].block_ids == [12, 13, 14, 15]
 
 
+def test_after_a_new_namespace_the_requests_known_before_neither_hit_nor_store(link):
+    """After vLLM resets its prefix cache (weights replaced in place, or a pause) the planner's
+    namespace changes: requests it knew may hold KV of the old weights, so they neither get the
+    hits they were promised nor store what they compute; requests that come after do both."""
+    worker, _ = transfers(link, seed=1)
+    hashes = chain_hashes("renamespace", 4)
+    worker.save([StoreJob("seed", list(range(4)), hashes)])
+    wait(lambda: worker.stats.stored_blocks == 4)
+    planner = planner_for(link)
+    prompt = 4 * BLOCK_TOKENS + 1
+    assert planner.matched_tokens("old", hashes, prompt, 0, None) == (None, False)
+    planner.plan_step([])
+    wait(lambda: planner.matched_tokens("old", hashes, prompt, 0, None) != (None, False))
+    assert planner.matched_tokens("old", hashes, prompt, 0, None) == (4 * BLOCK_TOKENS, True)
+    new_spec = engine_spec()
+    new_spec.extra["reset"] = "1"
+    planner.renamespace(new_spec.SerializeToString(deterministic=True))
+    assert planner.matched_tokens("old", hashes, prompt, 0, None) == (0, False)
+    plan = planner.plan_step([("old", prompt, hashes, [0, 1, 2, 3]), ("new", BLOCK_TOKENS, hashes, [4])])
+    assert plan.namespace_spec == new_spec.SerializeToString(deterministic=True)
+    assert [job.req_id for job in plan.stores] == []  # ("new" is not known to the planner yet)
+    assert planner.matched_tokens("new", hashes[:1], BLOCK_TOKENS + 1, 0, None) == (None, False)
+    assert [job.req_id for job in planner.plan_step([("new", BLOCK_TOKENS, hashes, [4])]).stores] == ["new"]
+
+
+def test_a_call_planned_for_an_earlier_namespace_is_not_sent(link, daemon):
+    """A store queued on the link thread when the worker adopts a new namespace (vLLM reset its
+    prefix cache: the blocks may hold KV of replaced weights) is not sent into the new namespace."""
+    worker, _ = transfers(link, seed=2)
+    stuck = threading.Event()
+    link.submit(lambda client, ns: stuck.wait(30))
+    worker.save([StoreJob("before", [0, 1], chain_hashes("earlier-namespace", 2))])  # queued behind the stuck call
+    new_spec = engine_spec()
+    new_spec.extra["reset"] = "1"
+    worker.configure(new_spec.SerializeToString(deterministic=True))
+    stuck.set()
+    wait(lambda: worker.stats.store_failures == 2)
+    worker.save([StoreJob("after", [2], chain_hashes("new-namespace", 1))])
+    wait(lambda: worker.stats.stored_blocks == 1)
+    held = [(n.spec.extra.get("reset"), n.blocks) for n in daemon.admin("ListNamespaces").namespaces if n.blocks]
+    assert held == [("1", 1)]  # the earlier namespace got none
+
+
 def test_with_eagle_the_last_block_of_a_hit_is_computed_again(link):
     """Speculative decoding on the target's hidden states (EAGLE, MTP): the draft layers' KV of a
     block's last token was computed with the token after it, which this request may not share with

@@ -155,25 +155,28 @@ def test_prefix_evicted_from_the_engine_comes_back_from_kvtierd(model, workdir, 
         time.sleep(0.05)
 
 
-def test_a_connector_reset_after_a_weight_update_stops_the_cache(model, workdir, baseline, kvtierd):
+def test_after_a_connector_reset_the_engines_blocks_go_to_a_namespace_of_its_own(model, workdir, baseline, kvtierd):
     """RL frameworks replace an engine's weights in place, then call reset_prefix_cache(
-    reset_connector=True): the namespace, made from the model's files, would hand out KV of the old
-    weights. After the reset the engine neither loads nor stores (here the weights stay the same,
-    so a hit would show as cached tokens)."""
+    reset_connector=True) (vLLM does too when it pauses or sleeps): the namespace, made from the
+    model's files, would hand out KV of the old weights. After the reset the engine's blocks go to
+    a namespace of its own: no hit from before it (here the weights stay the same, so one would
+    show as cached tokens), and what it computes next is stored there, not in the shared one."""
     barrier = workdir / "reset-go"
     after = {"prompts": [SHARED[1], UNIQUE_A[1]], "reset_prefix_cache": True, "wait_for": str(barrier)}
     phases = [{"prompts": [SHARED[1]]}, {"prompts": FILLERS}, after]
     small = {"kv_bytes": 12 * 512 << 10, "max_model_len": 1024}  # (as in case 3: the fillers push SHARED[1] out)
     engine = start_engine(workdir, "reset", model, phases, connector=connector(kvtierd), **small)
     engine.wait_for_line("WAITING 2")
-    stored = wait_for_blocks(kvtierd, distinct_blocks([SHARED[1], *FILLERS]))
+    before = wait_for_blocks(kvtierd, distinct_blocks([SHARED[1], *FILLERS]))
     barrier.touch()
     result = engine.result()
     assert result["resets"] == [True]
     for phase, outputs in zip(phases, result["phases"], strict=True):
         assert_same_outputs(phase["prompts"], outputs, baseline)
     assert [out["num_cached_tokens"] for out in result["phases"][2]] == [0, 0]  # no hit from kvtierd
-    assert wait_for_blocks(kvtierd, stored + 1, timeout=2) == stored  # and UNIQUE_A[1] was not stored
+    since = distinct_blocks([SHARED[1], UNIQUE_A[1]])
+    wait_for_blocks(kvtierd, before + since)
+    assert sorted(n.blocks for n in kvtierd.admin("ListNamespaces").namespaces) == sorted([before, since])
 
 
 def corrupt_every_block(daemon: DaemonProcess) -> int:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,17 +310,21 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._planner
 
     def _new_planner(self) -> PrefixPlanner:
-        spec = namespace_spec(self._vllm_config, self._kv_cache_config, self.config, self._identity)
-        self._link.set_namespace_spec(spec)
         return PrefixPlanner(
             self._link,
             self._block_size,
-            spec.SerializeToString(deterministic=True),
+            self._registered_spec().SerializeToString(deterministic=True),
             offload_prompt_only=self.config.offload_prompt_only,
             lookup_wait_s=self.config.lookup_wait_s,
             delay_free_for_stores=_on_gpu(self._vllm_config),
             drop_last_hit_block=drops_last_hit_block(self._vllm_config),
         )
+
+    def _registered_spec(self) -> pb.NamespaceSpec:
+        """The engine's namespace, registered for the scheduler's calls (the workers get it in each step's plan)."""
+        spec = namespace_spec(self._vllm_config, self._kv_cache_config, self.config, self._identity)
+        self._link.set_namespace_spec(spec)
+        return spec
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -382,14 +387,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @guarded(default=False)
     def reset_cache(self) -> bool:
-        """vLLM's reset_prefix_cache(reset_connector=True), which RL frameworks call after replacing
-        the model's weights in place: the namespace, made from the model's files, would hand out
-        KV of the old weights. This engine stops using the cache until it restarts (nothing tells
-        which engines share the new weights)."""
+        """vLLM's reset_prefix_cache(reset_connector=True): RL frameworks call it after replacing the
+        model's weights in place, and vLLM when it pauses or sleeps. The namespace, made from the
+        model's files, would hand out KV of the old weights: from now on this engine's blocks go to
+        a namespace of its own (a random salt: nothing tells which engines share the new weights),
+        and its requests so far neither load nor store."""
+        self._identity["reset"] = secrets.token_hex(8)
         if self._planner is not None:
-            self._planner.stop()
-        self._unsupported = True  # (nor is one made after this)
-        log.warning("kvtier: prefix cache reset (weights replaced?); this engine no longer uses the cache until it restarts")
+            self._planner.renamespace(self._registered_spec().SerializeToString(deterministic=True))
+        log.warning("kvtier: prefix cache reset (new weights?); this engine's blocks go to a namespace of its own from now on")
         return True
 
     @guarded()

@@ -63,7 +63,6 @@ class PrefixPlanner:
     _loading: set[str] = field(default_factory=set)  # requests whose load the workers have not reported
     _storing: set[str] = field(default_factory=set)  # requests with stores planned (delay_free_for_stores)
     _lookup_suffix: bytes = field(init=False)  # lookups ask for the first TP rank's keys
-    _stopped: bool = False  # the model's KV values changed (weights replaced in place): no more hits or stores
 
     def __post_init__(self) -> None:
         self._lookup_suffix = rank_suffix(pb.NamespaceSpec.FromString(self.namespace_spec), 0)
@@ -75,8 +74,6 @@ class PrefixPlanner:
     ) -> tuple[int | None, bool]:
         """vLLM's get_num_new_matched_tokens: (tokens to load beyond num_computed_tokens, load is async)."""
         self._collect()
-        if self._stopped:
-            return 0, False
         usable = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)  # leave the last prompt token
         local = num_computed_tokens // self.block_size
         state = self._requests.get(req_id)
@@ -166,7 +163,7 @@ class PrefixPlanner:
             if state is None:
                 continue
             full = min(computed // self.block_size, len(hashes), len(block_ids), state.store_limit)
-            if full > state.stored_upto and not self._stopped:
+            if full > state.stored_upto:
                 plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
                 self.stats.store_blocks_planned += full - state.stored_upto
                 state.stored_upto = full
@@ -174,11 +171,14 @@ class PrefixPlanner:
                     self._storing.add(req_id)
         return plan
 
-    def stop(self) -> None:
-        """From now on, no hits and no stores: the blocks this engine computes no longer match its
-        namespace (the model's weights were replaced in place). Loads and stores already planned
-        end as planned (an engine pauses its requests to replace weights)."""
-        self._stopped = True
+    def renamespace(self, namespace_spec: bytes) -> None:
+        """Blocks go to another namespace from now on (the model's weights may have been replaced in
+        place). Requests known so far neither get hits nor store: their blocks may hold KV of the old
+        weights, and so may what they compute on top of them. Loads already planned go to the new
+        namespace, miss and are recomputed."""
+        self.namespace_spec = namespace_spec
+        for state in self._requests.values():
+            state.failed, state.store_limit = True, 0
 
     def on_transfers(self, loaded: set[str], failed: set[str]) -> None:
         """vLLM's update_connector_output: remember failed loads so they are not offered again; the

@@ -169,6 +169,7 @@ class BlockTransfers:
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
     _key_suffix: bytes = b""  # follows each block hash in this rank's keys (rank_keys)
+    _generation: int = 0  # counts the namespaces adopted: a call made for an earlier one is not sent
     _disabled: str = ""
     _asleep: bool = False  # the KV cache's memory is unmapped (vLLM's sleep mode): nothing copies into or out of it
     _loads: dict[str, tuple[LoadJob, DeviceCall]] = field(default_factory=dict)
@@ -201,6 +202,7 @@ class BlockTransfers:
             log.error("kvtier transfers disabled: %s", self._disabled)
             return
         self._disabled = ""
+        self._generation += 1  # (before the link's namespace changes: see _for_this_namespace)
         spec.pp_rank = self.pp_rank
         self._key_suffix = rank_suffix(spec, self.tp_rank)
         if self._gpu_kv is not None:
@@ -224,6 +226,20 @@ class BlockTransfers:
         """The KV cache's memory is back (restore_kv_caches). Idempotent."""
         self._asleep = False
 
+    def _for_this_namespace(self, call: Callable[[KVTierClient, Namespace], T]) -> Callable[[KVTierClient, Namespace], T]:
+        """`call` for the link thread, not run there if the engine adopted another namespace since
+        (after vLLM reset its prefix cache, as it does when weights are replaced: blocks of the old
+        weights must not land in the new namespace). The generation goes up before the link's
+        namespace changes, so a call that finds its generation current found the old namespace."""
+        generation = self._generation
+
+        def if_current(client: KVTierClient, ns: Namespace) -> T:
+            if generation != self._generation:
+                raise LoadFailed("not sent: the engine's namespace changed since it was planned")
+            return call(client, ns)
+
+        return if_current
+
     def _check_awake(self) -> None:
         """On the link thread, before a call copies: not while the KV cache's memory is unmapped."""
         if self._asleep:
@@ -243,7 +259,8 @@ class BlockTransfers:
                 if self._disabled or self.kv is None or self._asleep:
                     raise LoadFailed(self._disabled or ("the engine is asleep" if self._asleep else "no KV cache registered"))
                 keys = LoadJob(job.req_id, job.block_ids, keyed(job.hashes, self._key_suffix))
-                call.future = self.link.submit(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
+                load = self._for_this_namespace(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
+                call.future = self.link.submit(load)
             except Exception as exc:  # noqa: BLE001
                 call.future = _failed_future(str(exc))
             self._loads[job.req_id] = job, call
@@ -364,7 +381,7 @@ class BlockTransfers:
             self._pending_store_bytes += size
         layers = self.kv.snapshot(block_ids)
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
-        future = self.link.submit(lambda client, ns: self._store(client, ns, hashes, layers))
+        future = self.link.submit(self._for_this_namespace(lambda client, ns: self._store(client, ns, hashes, layers)))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
     def _submit_gpu_store(self, jobs: list[StoreJob], ready: int) -> None:
@@ -374,7 +391,8 @@ class BlockTransfers:
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         call = DeviceCall.due_in(self.link.timeout)
         call.store_jobs, call.ready = jobs, ready
-        call.future = self.link.submit(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
+        store = self._for_this_namespace(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
+        call.future = self.link.submit(store)
         call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
         for job in jobs:
             self._device_stores[job.req_id].append(call)
