@@ -8,6 +8,7 @@ import errno
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -698,6 +699,47 @@ def test_a_block_written_again_waits_for_the_removal_of_its_old_file(tmp_path, m
             data = aligned_empty(BLOCK)
             read_block(t.path(block_hash), t.ns.id, block_hash, BLOCK, [memoryview(data)], direct=False)
             assert np.array_equal(data, block_content(block_hash, BLOCK))
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_pinned_lookup_batch_whose_session_ends_before_its_lookups_run_pins_nothing(tmp_path):
+    """With the disk tier a pinned LookupBatch looks its queries up in tasks of their own; should the
+    session end before they run, they pin nothing (the session's end let go of its holds already)."""
+    a, b, c, d, e = chain_hashes("batch-session", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # E is in the pool
+        service, session = t.data_service(daemon_limits(max_batch_blocks=64))
+        session.namespaces.add(t.ns.id)
+        request = pb.LookupBatchRequest(session_id=session.id, namespace=t.ns.id, queries=[e, e], pin=True)
+        call = asyncio.ensure_future(DataService.LookupBatch.__wrapped__(service, request, None))  # (no gRPC wrapper)
+        await asyncio.sleep(0)  # the call has made its lookups' tasks, which have not run
+        service.sessions.close(session.id)
+        t.store.drop_session(session.id)
+        with pytest.raises(Unauthenticated):
+            await call
+        assert not t.store._leases
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_lease_promoted_from_disk_has_its_whole_time_to_live_when_answered(tmp_path):
+    """The lease is made when the pool part is found, before the disk part is read: its time to
+    live starts again once the read is done, as the answer announces it whole."""
+    a, b, c, d, e = chain_hashes("renewed", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A goes to disk; E is in the pool
+        service, session = t.data_service(daemon_limits())
+        gate = hold_io_threads(t.fs)
+        find = asyncio.ensure_future(service._find(session.id, t.ns, [e, a], pin=True))
+        await asyncio.sleep(0.3)  # A's read held
+        gate.set()
+        hit, lease = await find
+        assert hit == 2 and lease.expires_at >= time.monotonic() + t.store.lease_ttl - 0.1
+        t.store.release(session.id, lease.id)
+        await t.settle()
 
     run_with_tiers(tmp_path, body)
 

@@ -536,7 +536,7 @@ class BlockStore:
     # ------------------------------------------------------------------ inspection
 
     def usage(self) -> PoolUsage:
-        committed = sum(len(ns.blocks) * ns.pages_per_block for ns in self.namespaces.values())
+        committed = sum(len(ns.blocks) * ns.pages_per_block for ns in list(self.namespaces.values()))  # (scrapes: another thread)
         return PoolUsage(
             used_pages=self.pages.used,
             committed_pages=committed,

@@ -201,6 +201,7 @@ class DataService(pb_grpc.KVTierServicer):
         pool (read in parallel) and the whole prefix pinned under one lease."""
         if pin:
             blocks = until_repeat(blocks)
+            self.sessions.get(session_id)  # (a batch's lookups may start after its session ended: nothing to pin for)
         hit, lease = self.store.lookup(session_id, ns, blocks, pin)
         if self.fs is None or hit == len(blocks):
             return hit, lease
@@ -216,6 +217,8 @@ class DataService(pb_grpc.KVTierServicer):
                     self.store.release(session_id, lease.id)
             raise
         lease = self.store.extend_lease(session_id, ns, lease, blocks[hit : hit + more])
+        if lease is not None:
+            self.store.renew(lease)  # (its time to live ran while the blocks were read: the answer announces it whole)
         return (len(lease.blocks) if lease is not None else 0), lease
 
     async def _lookup(self, session: Session, ns: Namespace, blocks: list[bytes], pin: bool) -> pb.LookupResponse:

@@ -669,7 +669,8 @@ class FsTier:
         return entry, buffer[: ns.block_bytes], header
 
     def totals(self, ns_id: str | None) -> tuple[FsCounters, int, int]:
-        """(counters, blocks, data bytes) of one namespace or of the whole tier."""
+        """(counters, blocks, data bytes) of one namespace or of the whole tier (also from a metrics
+        scrape's thread: what the event loop may change meanwhile is copied first)."""
         counters = FsCounters()
         blocks = used = 0
         for digest in [ns_id] if ns_id is not None else list(self.index.blocks):
@@ -677,7 +678,7 @@ class FsTier:
             entries = self.index.blocks[digest]
             blocks += len(entries)
             ns = self.store.namespaces.get(digest)
-            used += len(entries) * ns.block_bytes if ns is not None else sum(e.charge for e in entries.values())
+            used += len(entries) * ns.block_bytes if ns is not None else sum(e.charge for e in list(entries.values()))
         return counters, blocks, used
 
     # ------------------------------------------------------------------ plumbing
