@@ -808,9 +808,11 @@ def test_a_file_that_fails_to_read_is_removed_not_left_unlisted(tmp_path, monkey
     async def body(t: Tiers) -> None:
         await t.demote_first([a, b, c, d, e])  # A goes to disk
         monkeypatch.setattr(fs_tier, "read_block", failing_read)
+        stored = t.ns.counters.stored_blocks
         await t.fs.promote(t.ns, [a])
         await t.settle()
         assert a not in t.ns.blocks and t.fs.index.get(t.ns.id, a) is None and t.fs.health.read_errors == 1
         assert not t.path(a).exists()
+        assert t.ns.counters.stored_blocks == stored and t.fs.index.counters[t.ns.id].loaded_blocks == 0  # (not counted)
 
     run_with_tiers(tmp_path, body)

@@ -416,6 +416,12 @@ class BlockStore:
         ns.counters.stored_blocks += len(blocks)
         return len(blocks)
 
+    def withdraw(self, block: Block) -> None:
+        """A reserved block that will not get its bytes (its read from disk failed, or it was deleted
+        meanwhile): its reservation's commit frees it instead of making it visible or counting it."""
+        if self.state[block.slot] == RESERVED:
+            self._drop(block)
+
     def abort(self, session_id: str, reservation_id: int) -> None:
         self._abort(self.reservation(session_id, reservation_id), "aborted")
 

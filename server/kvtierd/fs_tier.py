@@ -363,11 +363,9 @@ class FsTier:
                 failed.append(block)
                 self._read_failed(ns, block.hash, outcome)
         try:
-            committed = self.store.commit(_PROMOTER, reservation.id, checksums)
-            # (a block cleared meanwhile was not committed, and its hash may be an engine's new block by now)
-            ours = [block.hash for block in failed if ns.blocks.get(block.hash) is block]
-            self.store.delete(ns, ours)
-            self.index.counters[ns.id].loaded_blocks += committed - len(ours)
+            for block in failed:  # (a block cleared meanwhile is not ours to touch: its hash may be an engine's new block)
+                self.store.withdraw(block)
+            self.index.counters[ns.id].loaded_blocks += self.store.commit(_PROMOTER, reservation.id, checksums)
         except KVTierError as exc:  # the namespace was cleared meanwhile
             log.info("promotion dropped", extra={"namespace": ns.id, "reason": str(exc)})
         finally:
