@@ -426,8 +426,8 @@ def test_an_allocation_claiming_more_than_its_memory_is_refused(start_daemon):
 @gpu
 def test_registering_a_namespace_again_closes_the_sessions_earlier_registration(start_daemon):
     """A session that registers its cache again for the same namespace (the connector does after a
-    change of plan) gets a new registration and the earlier one closes, instead of mappings piling up
-    until the session ends."""
+    change of plan), or for another one (after a prefix cache reset), gets a new registration and the
+    earlier one closes, instead of mappings piling up until the session ends."""
     daemon = start_daemon("--pool-size", "256MiB")
     geometry = Geometry(**GEOMETRY)
     with KVTierClient(daemon.address, timeout=30) as client:
@@ -441,6 +441,13 @@ def test_registering_a_namespace_again_closes_the_sessions_earlier_registration(
             client.load_cuda(first, list(range(8)), hashes)
         assert closed.value.code() == grpc.StatusCode.NOT_FOUND
         assert client.load_cuda(again, list(range(8)), hashes) == 8
+        # the same cache for another namespace (after vLLM reset its prefix cache): the earlier one goes too
+        other_spec = namespace_spec(geometry, "BLHNC")
+        other_spec.extra["reset"] = "1"
+        other = client.register(other_spec, kv.describe())
+        assert other.cuda_registration and daemon.log().count("cuda_ipc closed") == 2
+        assert client.store(other, hashes, seeded_blocks(geometry, 8, 8).cpu().numpy()) == 8
+        assert client.load_cuda(other, list(range(8, 16)), hashes) == 8
 
 
 @gpu

@@ -78,6 +78,7 @@ class CudaRegistration:
     layout: object  # gpu_copy.GpuLayout over the storages
     num_blocks: int
     ready_events: list  # torch.cuda.Events opened from the engine's ring of handles
+    handles: tuple = ()  # its allocations' IPC handles: which KV cache it is
     in_flight: int = 0
     closing: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -153,9 +154,10 @@ class GpuTransfers:
             layout=layout,
             num_blocks=cache.num_blocks,
             ready_events=ready,
+            handles=tuple(a.ipc_handle for a in cache.allocations),
         )
-        for earlier in [r for r in self._registrations.values() if (r.session_id, r.namespace_id) == (session_id, namespace_id)]:
-            self._retire(earlier)  # a session re-registering a namespace does not pile up mappings
+        for earlier in [r for r in self._registrations.values() if self._superseded(r, registration)]:
+            self._retire(earlier)  # mappings do not pile up until the session ends
         self._registrations[registration.id] = registration
         log.info(
             "cuda_ipc registered",
@@ -167,6 +169,14 @@ class GpuTransfers:
             },
         )
         return registration
+
+    @staticmethod
+    def _superseded(earlier: CudaRegistration, new: CudaRegistration) -> bool:
+        """A session's registration of a namespace, or of the same KV cache, goes when the session
+        registers it again (the connector moves its cache to a new namespace when vLLM resets its
+        prefix cache)."""
+        same = earlier.namespace_id == new.namespace_id or earlier.handles == new.handles
+        return earlier.session_id == new.session_id and same
 
     def registration(self, session_id: str, registration_id: str, namespace_id: str) -> CudaRegistration:
         registration = self._registrations.get(registration_id)
