@@ -40,7 +40,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 log = logging.getLogger("kvtier.vllm")
 
 NAMESPACE_LAYOUT = "vllm-layer-major-blocks"
-UNSPLIT_BLOCK_TOKENS = 64  # blocks of up to this many tokens: the kernel block of every CUDA attention backend
+UNSPLIT_BLOCK_TOKENS = 64  # the largest block no CUDA attention backend splits into kernel blocks
 
 
 @dataclass(frozen=True)
