@@ -878,19 +878,29 @@ def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, m
     assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2 and worker._pending_gpu_stores == 0
 
 
+@contextlib.contextmanager
+def shared_store_behind_a_stuck_call(daemon, monkeypatch, seed: int, timeout: float):
+    """queued_gpu_stores on a link of its own whose calls are due in `timeout` seconds, with one
+    step's store call for requests A and B (blocks 0 and 1) queued: (worker, sent, stuck, 4 hashes)."""
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=timeout, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        worker, sent, stuck = queued_gpu_stores(link, seed, monkeypatch)
+        hashes = chain_hashes(f"shared-{seed}", 4)
+        worker._device_stores.update({"A": [], "B": []})
+        worker._pending_gpu_stores = 1
+        worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
+        yield worker, sent, stuck, hashes
+    finally:
+        link.close()
+
+
 def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_stores(daemon, monkeypatch):
     """A step's store call for requests A and B waits behind a stuck call past its deadline: vLLM
     takes B back (finished_stores withdraws the call), then preempts A. The fence neither trips over
     B (gone) nor stops part-way: A's later store, still queued, is withdrawn too, and nothing is
     left counted as pending."""
-    link = DaemonLink(daemon.address, "pytest-engine", timeout=0.3, reconnect_interval=0.2)
-    link.set_namespace_spec(engine_spec())
-    try:
-        worker, sent, stuck = queued_gpu_stores(link, 8, monkeypatch)
-        hashes = chain_hashes("fence", 4)
-        worker._device_stores.update({"A": [], "B": []})
-        worker._pending_gpu_stores = 1
-        worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
+    with shared_store_behind_a_stuck_call(daemon, monkeypatch, seed=8, timeout=0.3) as (worker, sent, stuck, hashes):
         time.sleep(0.4)  # past that call's deadline
         assert worker.finished_stores({"B"}) == {"B"}
         worker._pending_gpu_stores += 1
@@ -899,32 +909,22 @@ def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_
         stuck.set()
         time.sleep(0.3)
         assert sent == [] and worker._pending_gpu_stores == 0 and worker._device_stores == {}
-    finally:
-        link.close()
 
 
 def test_a_store_given_up_past_its_deadline_is_not_sent_again_by_a_later_fence(daemon, monkeypatch):
     """A step's store for A and B waits behind a stuck call past its deadline and is given up (B
     finishing); B still has a later store under way. Preempting A then must not send the given-up
     store again for B: only B's later store goes."""
-    link = DaemonLink(daemon.address, "pytest-engine", timeout=0.6, reconnect_interval=0.2)
-    link.set_namespace_spec(engine_spec())
-    try:
-        worker, sent, stuck = queued_gpu_stores(link, 9, monkeypatch)
-        hashes = chain_hashes("resend", 3)
-        worker._device_stores.update({"A": [], "B": []})
-        worker._pending_gpu_stores = 2
-        worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
+    with shared_store_behind_a_stuck_call(daemon, monkeypatch, seed=9, timeout=0.6) as (worker, sent, stuck, hashes):
         time.sleep(0.4)
-        worker._submit_gpu_store([StoreJob("B", [5], hashes[2:])], ready=2)  # B's next step, due later
+        worker._pending_gpu_stores += 1
+        worker._submit_gpu_store([StoreJob("B", [5], hashes[2:3])], ready=2)  # B's next step, due later
         time.sleep(0.3)  # the first call past its deadline, the second not
         assert worker.finished_stores({"B"}) == set()  # (B's second store still holds its blocks)
         worker.fence({"A"})
         stuck.set()
         wait(lambda: worker.finished_stores(set()) == {"B"})
         assert sent == [([5], 2)] and worker._pending_gpu_stores == 0
-    finally:
-        link.close()
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):

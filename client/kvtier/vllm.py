@@ -333,8 +333,7 @@ class KVTierConnector(KVConnectorBase_V1):
         than UNSPLIT_BLOCK_TOKENS tokens: a backend whose kernels take smaller blocks (FlashInfer's
         16/32/64, FlashMLA's 64) splits each block, which a block-outermost layout cannot hold, and
         vLLM then refuses to start."""
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        wanted = extra.get("block_outermost_layout")
+        wanted = ConnectorConfig.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config or {}).block_outermost_layout
         if wanted is None:
             wanted = vllm_config.cache_config.block_size <= UNSPLIT_BLOCK_TOKENS
         return "BLHNC" if _on_gpu(vllm_config) and wanted else None

@@ -202,7 +202,7 @@ class BlockTransfers:
             log.error("kvtier transfers disabled: %s", self._disabled)
             return
         self._disabled = ""
-        self._generation += 1  # (before the link's namespace changes: see _for_this_namespace)
+        self._generation += 1  # (before the link's namespace changes: see _while_current)
         spec.pp_rank = self.pp_rank
         self._key_suffix = rank_suffix(spec, self.tp_rank)
         if self._gpu_kv is not None:
@@ -226,14 +226,16 @@ class BlockTransfers:
         """The KV cache's memory is back (restore_kv_caches). Idempotent."""
         self._asleep = False
 
-    def _for_this_namespace(self, call: Callable[[KVTierClient, Namespace], T]) -> Callable[[KVTierClient, Namespace], T]:
-        """`call` for the link thread, not run there if the engine adopted another namespace since
-        (after vLLM reset its prefix cache, as it does when weights are replaced: blocks of the old
-        weights must not land in the new namespace). The generation goes up before the link's
-        namespace changes, so a call that finds its generation current found the old namespace."""
+    def _while_current(self, call: Callable[[KVTierClient, Namespace], T]) -> Callable[[KVTierClient, Namespace], T]:
+        """`call` for the link thread, not run there if the engine is asleep (its KV cache unmapped)
+        or adopted another namespace since (after vLLM reset its prefix cache, as it does when
+        weights are replaced: blocks of the old weights must not land in the new namespace). The
+        generation goes up before the link's namespace changes, so a call that finds its generation
+        current found the old namespace."""
         generation = self._generation
 
         def if_current(client: KVTierClient, ns: Namespace) -> T:
+            self._check_awake()
             if generation != self._generation:
                 raise LoadFailed("not sent: the engine's namespace changed since it was planned")
             return call(client, ns)
@@ -241,7 +243,6 @@ class BlockTransfers:
         return if_current
 
     def _check_awake(self) -> None:
-        """On the link thread, before a call copies: not while the KV cache's memory is unmapped."""
         if self._asleep:
             raise LoadFailed("not copied: the engine is asleep (its KV cache unmapped)")
 
@@ -256,10 +257,11 @@ class BlockTransfers:
         for job in jobs:
             call = DeviceCall.due_in(self.load_delay_s + self.link.timeout)  # (the test delay comes first)
             try:
-                if self._disabled or self.kv is None or self._asleep:
-                    raise LoadFailed(self._disabled or ("the engine is asleep" if self._asleep else "no KV cache registered"))
+                if self._disabled or self.kv is None:
+                    raise LoadFailed(self._disabled or "no KV cache registered")
+                self._check_awake()
                 keys = LoadJob(job.req_id, job.block_ids, keyed(job.hashes, self._key_suffix))
-                load = self._for_this_namespace(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
+                load = self._while_current(lambda client, ns, job=keys, call=call: self._load(client, ns, job, call))
                 call.future = self.link.submit(load)
             except Exception as exc:  # noqa: BLE001
                 call.future = _failed_future(str(exc))
@@ -272,7 +274,6 @@ class BlockTransfers:
         slower than the same copy between two steps."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
-        self._check_awake()
         if ns.cuda_registration:
             loaded = call.run(partial(client.load_cuda, ns, job.block_ids, job.hashes, 0), daemon_copies=True)
             if loaded < len(job.hashes):
@@ -381,7 +382,7 @@ class BlockTransfers:
             self._pending_store_bytes += size
         layers = self.kv.snapshot(block_ids)
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
-        future = self.link.submit(self._for_this_namespace(lambda client, ns: self._store(client, ns, hashes, layers)))
+        future = self.link.submit(self._while_current(lambda client, ns: self._store(client, ns, hashes, layers)))
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
     def _submit_gpu_store(self, jobs: list[StoreJob], ready: int) -> None:
@@ -391,7 +392,7 @@ class BlockTransfers:
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         call = DeviceCall.due_in(self.link.timeout)
         call.store_jobs, call.ready = jobs, ready
-        store = self._for_this_namespace(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
+        store = self._while_current(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
         call.future = self.link.submit(store)
         call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
         for job in jobs:
@@ -401,7 +402,6 @@ class BlockTransfers:
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], ready: int, call: DeviceCall
     ) -> int:
         """Store the blocks the forward marked by the ring's ready event `ready` wrote."""
-        self._check_awake()
         if ns.cuda_registration:
             return call.run(lambda deadline_ns: client.store_cuda(ns, hashes, block_ids, ready, deadline_ns), daemon_copies=True)
 
