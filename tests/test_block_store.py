@@ -232,6 +232,25 @@ def test_namespace_limit():
         store.register(spec(model_id="c", block_bytes=PAGE))
 
 
+def test_a_retired_namespace_frees_its_pages_and_keeps_its_counts_only_once_nothing_holds_it():
+    store, _ = make_store(max_namespaces=2)
+    ns = store.register(spec(model_id="a", block_bytes=2 * PAGE))
+    store_blocks(store, ns, [b"a" * 32, b"b" * 32])
+    _, lease = store.lookup("s1", ns, [b"a" * 32], pin=True)
+    with pytest.raises(FailedPrecondition, match="held"):
+        store.retire(ns)
+    store.release("s1", lease.id)
+    pending = store.reserve("s1", ns, [b"c" * 32]).reservation
+    with pytest.raises(FailedPrecondition, match="held"):
+        store.retire(ns)
+    store.abort("s1", pending.id)
+    assert store.retire(ns) == 2
+    assert list(store.namespaces) == [] and store.usage().used_pages == 0
+    assert (store.retired.stored_blocks, store.retired.hits, store.retired_bytes.stored_blocks) == (2, 1, 4 * PAGE)
+    assert_accounting(store)
+    assert store.register(spec(model_id="a", block_bytes=2 * PAGE)).blocks == {}  # (a new namespace of that id)
+
+
 def test_mixed_block_sizes_share_the_pool_with_little_waste():
     """Namespaces with different block sizes under random churn: pages held beyond the bytes
     stored stay below 3% (only each block's last page is partly empty)."""

@@ -280,6 +280,30 @@ def test_after_a_new_namespace_the_requests_known_before_neither_hit_nor_store(l
     assert [job.req_id for job in planner.plan_step([("new", BLOCK_TOKENS, hashes, [4])]).stores] == ["new"]
 
 
+def test_an_engine_reset_more_often_than_the_daemons_namespace_limit_keeps_its_cache(start_daemon):
+    """Each prefix cache reset moves the engine to a namespace of its own (RL frameworks reset after
+    every weight update): its link leaves the one before, which the daemon retires when a new one
+    needs room, so the engine goes on storing after more resets than --max-namespaces."""
+    daemon = start_daemon("--pool-size", "64MiB", "--max-namespaces", "2")
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    try:
+        worker, _ = transfers(link, seed=3)
+        for reset in range(5):
+            new_spec = engine_spec()
+            new_spec.extra["reset"] = str(reset)
+            worker.configure(new_spec.SerializeToString(deterministic=True))
+            worker.save([StoreJob(f"after-reset-{reset}", [0, 1], chain_hashes(f"reset-{reset}", 2))])
+            wait(lambda stored=2 * (reset + 1): worker.stats.stored_blocks == stored)
+        assert worker.stats.store_failures == 0
+        kept = {n.namespace: n for n in daemon.admin("ListNamespaces").namespaces}
+        assert sorted((n.spec.extra.get("reset"), n.blocks) for n in kept.values()) == [("3", 2), ("4", 2)]  # (one by one)
+        (engine,) = daemon.admin("ListEngines").engines
+        assert [kept[n].spec.extra["reset"] for n in engine.namespaces] == ["4"]  # (it left each one before)
+    finally:
+        link.close()
+
+
 def test_a_call_planned_for_an_earlier_namespace_is_not_sent(link, daemon):
     """A store queued on the link thread when the worker adopts a new namespace (vLLM reset its
     prefix cache: the blocks may hold KV of replaced weights) is not sent into the new namespace."""

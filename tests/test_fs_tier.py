@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 from blocks import block_content, chain_hashes, contents, spec
-from daemon import DaemonProcess, new_daemon_dir, remove_daemon_dir
+from daemon import DaemonProcess, new_daemon_dir
 from test_admin import ctl
 
 from kvtier.client import KVTierClient
@@ -27,28 +27,6 @@ from kvtierd.config import load_config
 from kvtierd.fs_snapshot import RACY_SECONDS
 
 BLOCK = 256 * 1024  # 16 blocks fill the 4 MiB pools below
-
-
-@pytest.fixture
-def fs_daemons():
-    """fs_daemons(*args, directory=None, prefix=()) starts kvtierd with its filesystem tier in
-    <directory>/fs; pass the directory of an earlier daemon to restart on the same files."""
-    started: list[DaemonProcess] = []
-
-    def start(*args: str, directory: Path | None = None, prefix: tuple[str, ...] = ()) -> DaemonProcess:
-        directory = directory or new_daemon_dir()
-        (directory / "fs").mkdir(exist_ok=True)
-        fs_args = ["--pool-size", "4MiB", "--fs-path", str(directory / "fs"), "--fs-size", "64MiB", "--fs-queue-size", "64MiB"]
-        fs_args += args  # (a staging queue of 64 MiB: the 1 GiB default is made ahead in every daemon)
-        daemon = DaemonProcess(directory, fs_args, prefix=list(prefix)).start()
-        started.append(daemon)
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.stop()
-    for directory in {d.directory for d in started}:
-        remove_daemon_dir(directory)
 
 
 def fs_stats(daemon: DaemonProcess, namespace: str = "") -> pb.TierStats:

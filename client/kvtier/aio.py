@@ -94,8 +94,8 @@ class AsyncKVTierClient:
         except StopIteration as done:
             return done.value
 
-    async def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> ops.Namespace:
-        return await self._run(ops.register(self.state, spec, cuda_kv))
+    async def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None, replaces: str = "") -> ops.Namespace:
+        return await self._run(ops.register(self.state, spec, cuda_kv, replaces))
 
     async def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
         return await self._run(ops.lookup(self.state, ns, hashes, pin))

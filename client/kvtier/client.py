@@ -190,8 +190,8 @@ class KVTierClient:
 
     # ------------------------------------------------------------------ data plane
 
-    def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> ops.Namespace:
-        return self._run(ops.register(self.state, spec, cuda_kv))
+    def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None, replaces: str = "") -> ops.Namespace:
+        return self._run(ops.register(self.state, spec, cuda_kv, replaces))
 
     def lookup(self, ns: ops.Namespace, hashes: Sequence[bytes] | bytes, pin: bool = False) -> ops.LookupResult:
         return self._run(ops.lookup(self.state, ns, hashes, pin))

@@ -99,8 +99,11 @@ def join_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
     return hashes if isinstance(hashes, (bytes, bytearray)) else b"".join(hashes)
 
 
-def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None) -> Op:
-    request = pb.RegisterRequest(session_id=state.session_id, spec=spec, cuda_kv=cuda_kv, monotonic_ns=time.monotonic_ns())
+def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None, replaces: str = "") -> Op:
+    """Register `spec`'s namespace (and offer `cuda_kv`); `replaces`: a namespace the session leaves."""
+    request = pb.RegisterRequest(
+        session_id=state.session_id, spec=spec, cuda_kv=cuda_kv, monotonic_ns=time.monotonic_ns(), replaces=replaces
+    )
     response = yield "Register", request
     return Namespace(
         response.namespace,

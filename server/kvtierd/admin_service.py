@@ -54,6 +54,8 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         selected = [store.namespace(request.namespace)] if request.namespace else list(store.namespaces.values())
         usage = store.usage()
         totals = TierCounters()
+        if not request.namespace:
+            totals.add(store.retired)  # (the daemon's counters only go up)
         response = pb.GetStatsResponse(
             reserved_bytes=usage.reserved_pages * store.page_size,
             pinned_blocks=usage.pinned_blocks,

@@ -62,9 +62,10 @@ class TierCounters:
     loaded_blocks: int = 0
     not_admitted: int = 0
 
-    def add(self, other: TierCounters) -> None:
+    def add(self, other: TierCounters, times: int = 1) -> None:
+        """Add `other`'s counts, each `times` over (`times` a block size: their bytes)."""
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name) * times)
 
 
 @dataclass(eq=False)
@@ -74,6 +75,7 @@ class Namespace:
     block_bytes: int
     pages_per_block: int
     created_at: float
+    last_used: float = 0.0  # (the store's clock) when last registered, looked up or stored into
     blocks: dict[bytes, Block] = field(default_factory=dict)  # committed
     pending: dict[bytes, Block] = field(default_factory=dict)  # reserved, not yet committed
     counters: TierCounters = field(default_factory=TierCounters)
@@ -178,6 +180,8 @@ class BlockStore:
         self.max_batch_blocks = max_batch_blocks
         self._clock = clock
         self.namespaces: dict[str, Namespace] = {}
+        self.retired = TierCounters()  # of the namespaces retired so far (counters only go up)
+        self.retired_bytes = TierCounters()  # the same in bytes (blocks times their namespace's block size)
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self._ended: OrderedDict[int, str] = OrderedDict()
@@ -201,18 +205,38 @@ class BlockStore:
         digest = namespace_digest(spec)
         existing = self.namespaces.get(digest)
         if existing is not None:
+            existing.last_used = self._clock()
             return existing
         if len(self.namespaces) >= self.max_namespaces:
-            raise ResourceExhausted(f"namespace limit reached ({self.max_namespaces}); raise --max-namespaces")
+            raise ResourceExhausted(
+                f"namespace limit reached ({self.max_namespaces}), every namespace registered by a connected engine "
+                "or held for a call; raise --max-namespaces"
+            )
         ns = Namespace(
             id=digest,
             spec=spec,
             block_bytes=spec.block_bytes,
             pages_per_block=-(-spec.block_bytes // self.page_size),
             created_at=time.time(),
+            last_used=self._clock(),
         )
         self.namespaces[digest] = ns
         return ns
+
+    def holds_any(self, ns: Namespace) -> bool:
+        """Some lease or reservation holds blocks of `ns`."""
+        return any(hold.namespace is ns for hold in itertools.chain(self._leases.values(), self._reservations.values()))
+
+    def retire(self, ns: Namespace) -> int:
+        """Forget a namespace that nothing holds, with its blocks (their pages go free); its counters
+        go on in `retired`. Returns the blocks deleted."""
+        if self.holds_any(ns):
+            raise FailedPrecondition(f"namespace {ns.id} is held by a lease or reservation")
+        deleted = self.clear(ns)
+        del self.namespaces[ns.id]
+        self.retired.add(ns.counters)
+        self.retired_bytes.add(ns.counters, ns.block_bytes)
+        return deleted
 
     def namespace(self, namespace_id: str) -> Namespace:
         ns = self.namespaces.get(namespace_id)
@@ -236,6 +260,7 @@ class BlockStore:
         if pin:  # a lease pins each block once
             hashes = until_repeat(hashes)
         hit: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, hashes)))
+        ns.last_used = self._clock()
         counters = ns.counters
         counters.lookups += 1
         counters.hits += len(hit)
@@ -331,6 +356,7 @@ class BlockStore:
 
     def reserve(self, session_id: str, ns: Namespace, hashes: list[bytes], admit_all: bool = False) -> ReserveResult:
         """Reserve pages for the hashes not present; `admit_all` skips --store-threshold (promotions)."""
+        ns.last_used = self._clock()
         count = len(hashes)
         statuses = np.full(count, pb.BLOCK_STATUS_RESERVED, dtype=np.uint8)
         statuses[np.fromiter(map(ns.blocks.__contains__, hashes), dtype=bool, count=count)] = pb.BLOCK_STATUS_PRESENT

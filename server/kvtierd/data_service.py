@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
@@ -117,7 +118,15 @@ class DataService(pb_grpc.KVTierServicer):
     @unary
     def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:  # noqa: N802
         session = self.sessions.get(request.session_id)
-        ns = self.store.register(request.spec)
+        if request.replaces in session.namespaces:
+            session.namespaces.discard(request.replaces)
+            log.info("namespace left", extra={"session": session.id, "namespace": request.replaces})
+        try:
+            ns = self.store.register(request.spec)
+        except ResourceExhausted:  # (a new namespace, with all --max-namespaces taken)
+            if not self._retire_idle_namespace():
+                raise
+            ns = self.store.register(request.spec)
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             log.info("namespace registered", extra={"session": session.id, "namespace": ns.id, "model": ns.spec.model_id})
@@ -133,6 +142,29 @@ class DataService(pb_grpc.KVTierServicer):
                 response.cuda_refused = f"this daemon failed to open the KV cache: {exc}"
                 log.exception("cuda_ipc refused", extra={"session": session.id, "reason": str(exc)})
         return response
+
+    def _retire_idle_namespace(self) -> bool:
+        """Make room for a new namespace: retire the least recently used one that no connected engine
+        has registered and nothing holds, with its blocks in both tiers. False when there is none."""
+        idle = [
+            ns for ns in self.store.namespaces.values() if not self.sessions.engines_in(ns.id) and not self.store.holds_any(ns)
+        ]
+        if not idle:
+            return False
+        ns = min(idle, key=attrgetter("last_used"))
+        deleted = self.store.retire(ns)
+        on_disk = self.fs.retire(ns) if self.fs is not None else 0
+        self.metrics.retired_namespaces.inc()
+        log.warning(
+            "namespace retired to make room for a new one (--max-namespaces)",
+            extra={
+                "namespace": ns.id,
+                "model": ns.spec.model_id,
+                "deleted_blocks": deleted,
+                "deleted_blocks_on_disk": on_disk,
+            },
+        )
+        return True
 
     def _session_namespace(self, session_id: str, namespace_id: str):
         session = self.sessions.get(session_id)

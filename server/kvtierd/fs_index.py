@@ -36,9 +36,10 @@ class FsCounters:
     loaded_blocks: int = 0  # promoted into the pool
     checksum_failures: int = 0
 
-    def add(self, other: FsCounters) -> None:
+    def add(self, other: FsCounters, times: int = 1) -> None:
+        """Add `other`'s counts, each `times` over (`times` a block size: their bytes)."""
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name) * times)
 
 
 class FsIndex:

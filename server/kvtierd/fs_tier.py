@@ -171,6 +171,8 @@ class FsTier:
         self._unlisted: set[Path] = set()  # fan-out directories with a file the disk refused to remove (_unlink)
         self._saved_changes = -1  # index.changes when the index file was last written
         self._staging_sizes: set[int] = set()  # sizes of the staging buffers made ahead of need
+        self.retired = FsCounters()  # of the namespaces retired so far (counters only go up)
+        self.retired_bytes = FsCounters()  # the same in bytes
 
     # ------------------------------------------------------------------ start and stop
 
@@ -650,6 +652,16 @@ class FsTier:
         self._remove_files(entries)
         return deleted
 
+    def retire(self, ns: Namespace) -> int:
+        """Delete a namespace the daemon retires (BlockStore.retire) from disk, its counters going on in
+        `retired`; it is not registered again at the next start. Returns the blocks deleted."""
+        deleted = self.clear(ns.id).get(ns.id, set())
+        self.index.blocks.pop(ns.id, None)
+        counters = self.index.counters.pop(ns.id, FsCounters())
+        self.retired.add(counters)
+        self.retired_bytes.add(counters, ns.block_bytes)
+        return len(deleted)
+
     async def inspect(self, ns: Namespace, block_hash: bytes) -> tuple[FsEntry, np.ndarray, Header]:
         """Read one block from disk (verified like any read: a bad file is dropped and NOT_FOUND)."""
         entry = self.index.get(ns.id, block_hash)
@@ -667,9 +679,12 @@ class FsTier:
         return entry, buffer[: ns.block_bytes], header
 
     def totals(self, ns_id: str | None) -> tuple[FsCounters, int, int]:
-        """(counters, blocks, data bytes) of one namespace or of the whole tier (also from a metrics
-        scrape's thread: what the event loop may change meanwhile is copied first)."""
+        """(counters, blocks, data bytes) of one namespace or of the whole tier (its counters with those
+        of retired namespaces; also from a metrics scrape's thread: what the event loop may change
+        meanwhile is copied first)."""
         counters = FsCounters()
+        if ns_id is None:
+            counters.add(self.retired)
         blocks = used = 0
         for digest in [ns_id] if ns_id is not None else list(self.index.blocks):
             counters.add(self.index.counters[digest])

@@ -31,22 +31,25 @@ class IndexCollector:
                 family.add_metric([FS_TIER], fs)
             return family
 
+        def ram_count(attr: str) -> int:  # (counters of retired namespaces included: they only go up)
+            return sum(getattr(ns.counters, attr) for ns in namespaces) + getattr(store.retired, attr)
+
         def tier_counter(name: str, doc: str, attr: str, fs_attr: str | None = None) -> CounterMetricFamily:
-            ram = sum(getattr(ns.counters, attr) for ns in namespaces)
             fs = getattr(fs_counters, fs_attr or attr) if fs_counters is not None else None
-            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
+            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram_count(attr), fs)
 
         def tier_bytes(name: str, doc: str, attr: str) -> CounterMetricFamily:
-            ram = sum(getattr(ns.counters, attr) * ns.block_bytes for ns in namespaces)
+            ram = sum(getattr(ns.counters, attr) * ns.block_bytes for ns in namespaces) + getattr(store.retired_bytes, attr)
             fs = None
             if self._fs is not None:
                 fs = sum(getattr(self._fs.index.counters[ns.id], attr) * ns.block_bytes for ns in namespaces)
+                fs += getattr(self._fs.retired_bytes, attr)
             return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
 
         yield CounterMetricFamily(
             "kvtierd_lookup_requests",
             "Lookups served (Lookup calls, LookupBatch queries, Load calls by hashes).",
-            value=sum(ns.counters.lookups for ns in namespaces),
+            value=ram_count("lookups"),
         )
         yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", "hits")
         yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", "misses")
@@ -58,7 +61,7 @@ class IndexCollector:
         yield CounterMetricFamily(
             "kvtierd_not_admitted_blocks",
             "Store offers refused by --store-threshold.",
-            value=sum(ns.counters.not_admitted for ns in namespaces),
+            value=ram_count("not_admitted"),
         )
         usage = store.usage()
         fs_index = self._fs.index if self._fs is not None else None
@@ -131,6 +134,11 @@ class Metrics:
         )
         self.cuda_copy_bytes = Counter(
             "kvtierd_cuda_copy_bytes", "Bytes moved by cuda_ipc copies.", ["direction"], registry=self.registry
+        )
+        self.retired_namespaces = Counter(
+            "kvtierd_retired_namespaces",
+            "Namespaces retired with their blocks to make room for a new one (--max-namespaces).",
+            registry=self.registry,
         )
         self.cuda_checksum_failures = Counter(
             "kvtierd_cuda_checksum_failures", "Blocks whose cuda_ipc load failed its checksum.", registry=self.registry

@@ -7,7 +7,8 @@ fail fast (their Future raises `DaemonUnavailable`), the link retries the connec
 it like for any other answer), and after a restart it opens a new session, registers its namespace again and
 maps the new pool by itself. It does so in the background too, every `reconnect_interval` while it has no
 live session (a watcher thread), so an engine idle while kvtierd restarted finds it connected again,
-not missing its first requests' lookups and stores.
+not missing its first requests' lookups and stores. When its namespace changes (vLLM reset its prefix
+cache), its next Register leaves the one before, which the daemon may then retire to make room.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class DaemonLink:
         self._spec: pb.NamespaceSpec | None = None
         self._cuda_kv: pb.CudaKVCache | None = None
         self._namespace: Namespace | None = None
+        self._left = ""  # the namespace registered before the spec changed: the next Register leaves it
         self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
         self._unresponsive = False  # the last connect attempt ran out its timeout (the daemon paused, or hung)
@@ -60,6 +62,8 @@ class DaemonLink:
             if self._spec is not None and self._spec == spec:
                 return
             self._spec = spec
+            if self._namespace is not None:
+                self._left = self._namespace.id
             self._namespace = None
 
     def set_cuda_kv(self, cuda_kv: pb.CudaKVCache) -> None:
@@ -152,12 +156,12 @@ class DaemonLink:
         attempt, made even while the daemon is not answering)."""
         client = self._session(retry)
         with self._lock:
-            spec, namespace, cuda_kv = self._spec, self._namespace, self._cuda_kv
+            spec, namespace, cuda_kv, left = self._spec, self._namespace, self._cuda_kv, self._left
         if spec is None:
             raise DaemonUnavailable("no namespace registered yet")
         if namespace is None:
             try:
-                namespace = client.register(spec, cuda_kv)
+                namespace = client.register(spec, cuda_kv, replaces=left)
                 if cuda_kv is not None and not namespace.cuda_registration:
                     log.warning("kvtierd refused cuda_ipc (%s); the engine copies through shared memory", namespace.cuda_refused)
                     self._executor.submit(_map_pool_for_gpu_copies, client)
@@ -167,7 +171,9 @@ class DaemonLink:
                 raise DaemonUnavailable(exc.details()) from None
             with self._lock:
                 if self._spec == spec:
-                    self._namespace = namespace
+                    self._namespace, self._left = namespace, ""
+                else:  # the spec changed meanwhile: the next Register leaves this one
+                    self._left = namespace.id
         return client, namespace
 
     def _session(self, retry: bool = False) -> KVTierClient:

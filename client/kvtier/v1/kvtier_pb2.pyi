@@ -192,16 +192,18 @@ class CudaKVCache(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., allocations: _Optional[_Iterable[_Union[CudaAllocation, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[KVRun, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., ready_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "cuda_kv", "monotonic_ns")
+    __slots__ = ("session_id", "spec", "cuda_kv", "monotonic_ns", "replaces")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CUDA_KV_FIELD_NUMBER: _ClassVar[int]
     MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: NamespaceSpec
     cuda_kv: CudaKVCache
     monotonic_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ..., monotonic_ns: _Optional[int] = ...) -> None: ...
+    replaces: str
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., cuda_kv: _Optional[_Union[CudaKVCache, _Mapping]] = ..., monotonic_ns: _Optional[int] = ..., replaces: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("namespace", "block_bytes", "pages_per_block", "cuda_registration", "cuda_refused")
