@@ -575,15 +575,39 @@ def test_a_gpu_worker_refused_cuda_ipc_maps_the_pool_once_registered(start_daemo
     daemon = start_daemon("--pool-size", "64MiB", "--cuda-register", "false")  # (cuda_ipc refused)
     path = daemon.admin("GetInfo").pool.shm_path
     link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
-    allocation = pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_handle=b"/torch_1_2_0")
-    block_bytes = engine_spec().block_bytes
-    cache = pb.CudaKVCache(device_uuid="GPU-0", allocations=[allocation], num_blocks=4, ready_events=[b"e" * 64])
-    cache.runs.add(allocation=0, offset=0, block_stride=block_bytes, size_bytes=block_bytes)
-    link.set_cuda_kv(cache)
+    link.set_cuda_kv(gpu_cache_description())
     link.set_namespace_spec(engine_spec())
     try:
         assert not link.submit(lambda client, ns: ns.cuda_registration).result(timeout=10)
         wait(lambda: resident_pool_bytes(path) == 64 << 20)
+    finally:
+        link.close()
+
+
+def gpu_cache_description() -> pb.CudaKVCache:
+    """A GPU worker's KV cache as it offers it (a daemon without CUDA refuses it)."""
+    allocation = pb.CudaAllocation(ipc_handle=b"x" * 64, size_bytes=1 << 20, ref_counter_handle=b"/torch_1_2_0")
+    block_bytes = engine_spec().block_bytes
+    cache = pb.CudaKVCache(device_uuid="GPU-0", allocations=[allocation], num_blocks=4, ready_events=[b"e" * 64])
+    cache.runs.add(allocation=0, offset=0, block_stride=block_bytes, size_bytes=block_bytes)
+    return cache
+
+
+def test_a_gpu_workers_link_leaves_its_namespace_on_a_reset_too(start_daemon):
+    """A GPU worker offers its KV cache again with each new namespace (BlockTransfers.configure: the
+    cache, then the spec), and its Register still leaves the namespace before."""
+    daemon = start_daemon("--pool-size", "64MiB", "--cuda-register", "false", "--max-namespaces", "2")
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    try:
+        for reset in range(4):
+            new_spec = engine_spec()
+            new_spec.extra["reset"] = str(reset)
+            link.set_cuda_kv(gpu_cache_description())
+            link.set_namespace_spec(new_spec)
+            ns = link.submit(lambda client, ns: ns).result(timeout=10)
+            (engine,) = daemon.admin("ListEngines").engines
+            assert list(engine.namespaces) == [ns.id]
+        assert link.connects == 1  # (no Register refused, no session dropped)
     finally:
         link.close()
 

@@ -72,6 +72,8 @@ def test_a_new_namespace_retires_the_least_recently_used_one_no_engine_has(fs_da
     assert daemon.stop() == 0
     again = fs_daemons("--max-namespaces", "3", directory=daemon.directory)
     assert namespaces(again) == {"d": 0, "e": 0}  # registered again from the disk (an empty pool), nothing retired
+    assert sorted(path.name for path in (daemon.directory / "fs").iterdir() if path.is_dir()) == sorted([d.id, e.id])
+    # (the retired namespaces' directories went with the restart)
 
 
 def test_a_namespace_still_held_is_not_retired(fs_daemons):

@@ -1,6 +1,7 @@
 """The RAM tier's index: namespaces, blocks, two-phase stores, pin leases, eviction and admission.
 
-Pure bookkeeping over page ids: no I/O, no gRPC, no locks (the daemon calls it from one event loop).
+Pure bookkeeping over page ids: no I/O, no gRPC, no locks (the daemon calls it from one event loop;
+only `census` is shared with metrics scrapes).
 Per-block numbers (state, pins, hits, times) live in numpy arrays indexed by a block's slot, so the hot
 paths (lookup, pin, release, commit) update whole batches at once; dict probes and policy updates run
 through `map` in C rather than Python loops.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -181,6 +183,9 @@ class BlockStore:
         self._clock = clock
         self.namespaces: dict[str, Namespace] = {}
         self.retired = TierCounters()  # of the namespaces retired so far (counters only go up)
+        # Held while a retirement moves counters into `retired` (and the fs tier's) and while a metrics
+        # scrape (another thread) adds them up, which would otherwise see them in both places or in neither.
+        self.census = threading.RLock()
         self.retired_bytes = TierCounters()  # the same in bytes (blocks times their namespace's block size)
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
@@ -233,9 +238,10 @@ class BlockStore:
         if self.holds_any(ns):
             raise FailedPrecondition(f"namespace {ns.id} is held by a lease or reservation")
         deleted = self.clear(ns)
-        del self.namespaces[ns.id]
-        self.retired.add(ns.counters)
-        self.retired_bytes.add(ns.counters, ns.block_bytes)
+        with self.census:
+            del self.namespaces[ns.id]
+            self.retired.add(ns.counters)
+            self.retired_bytes.add(ns.counters, ns.block_bytes)
         return deleted
 
     def namespace(self, namespace_id: str) -> Namespace:

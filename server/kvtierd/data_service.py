@@ -152,8 +152,9 @@ class DataService(pb_grpc.KVTierServicer):
         if not idle:
             return False
         ns = min(idle, key=attrgetter("last_used"))
-        deleted = self.store.retire(ns)
-        on_disk = self.fs.retire(ns) if self.fs is not None else 0
+        with self.store.census:  # (both tiers' counters move at once)
+            deleted = self.store.retire(ns)
+            on_disk = self.fs.retire(ns) if self.fs is not None else 0
         self.metrics.retired_namespaces.inc()
         log.warning(
             "namespace retired to make room for a new one (--max-namespaces)",

@@ -385,6 +385,22 @@ def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNames
     return ScannedNamespace(spec, hashes, strays, listed)
 
 
+def remove_namespace_dir(directory: Path) -> bool:
+    """Remove the directory of a namespace that holds no block, its spec file first (a namespace is
+    never left with its spec and without its fan-out directories, which `write_spec` would not make
+    again); False, with a warning, when something in it stays."""
+    try:
+        (directory / SPEC_FILE).unlink(missing_ok=True)
+        for name in FANOUT:
+            with contextlib.suppress(FileNotFoundError):
+                (directory / name).rmdir()
+        directory.rmdir()
+    except OSError as exc:
+        log.warning("cannot remove an empty fs tier namespace", extra={"path": str(directory), "reason": str(exc)})
+        return False
+    return True
+
+
 def remove_file(path: Path) -> bool:
     """Unlink `path` if it is there; False, with a warning, when the filesystem refuses (read-only or
     failing: the tier goes on without it)."""

@@ -70,6 +70,7 @@ from kvtierd.fs_format import (
     probe_direct_io,
     read_block,
     remove_file,
+    remove_namespace_dir,
     scan_namespace,
     write_block_file,
     write_spec,
@@ -179,8 +180,8 @@ class FsTier:
     def open(self) -> list[pb.NamespaceSpec]:
         """Index the blocks already under the root (file names only; each file's header and checksum
         are checked when it is first read). Returns the specs of the namespaces found holding blocks
-        (an empty one, cleared or evicted, would only take one of --max-namespaces: its engines
-        register it again)."""
+        (an empty one, cleared, evicted or retired, would only take one of --max-namespaces: its
+        directory is removed, and made again when its engines store into it)."""
         started = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         if self.settings.direct_io:
@@ -194,7 +195,7 @@ class FsTier:
             log.error("cannot list the fs tier; no block on it is served", extra={"path": str(self.root), "reason": str(exc)})
             entries, directories = [], []
         known = read_index_file(self.root)
-        specs, strays, listed = [], 0, 0
+        specs, strays, listed, emptied = [], 0, 0, 0
         for stray in entries:  # an interrupted index file write
             if stray.name.startswith(f"{INDEX_FILE}.") and stray.name.endswith(TMP_SUFFIX):
                 strays += remove_file(stray)
@@ -211,12 +212,15 @@ class FsTier:
                 if scanned is None:
                     log.warning("ignoring a directory without a valid namespace.pb", extra={"path": str(directory)})
                     continue
+                strays += scanned.strays
+                listed += scanned.listed
+                if not scanned.hashes and remove_namespace_dir(directory):  # (cleared, evicted or retired)
+                    emptied += 1
+                    continue
                 self.index.add_many(directory.name, scanned.hashes, scanned.spec.block_bytes)
                 self._spec_written.add(directory.name)
                 if scanned.hashes:
                     specs.append(scanned.spec)
-                strays += scanned.strays
-                listed += scanned.listed
         excess = [self._path(e) for e in self.index.over_capacity()]
         list(self.executor.map(self._unlink, excess))
         self._unsynced.update(path.parent for path in excess)
@@ -229,6 +233,7 @@ class FsTier:
                 "capacity": self.settings.capacity,
                 "evicted_over_capacity": len(excess),
                 "stray_files_removed": strays,
+                "empty_namespaces_removed": emptied,
                 "directories_listed": listed,
                 "directories_from_index_file": len(directories) * len(FANOUT) - listed,
                 "direct_io": self.direct,
@@ -654,12 +659,13 @@ class FsTier:
 
     def retire(self, ns: Namespace) -> int:
         """Delete a namespace the daemon retires (BlockStore.retire) from disk, its counters going on in
-        `retired`; it is not registered again at the next start. Returns the blocks deleted."""
+        `retired`; the next start removes its directory. Returns the blocks deleted."""
         deleted = self.clear(ns.id).get(ns.id, set())
-        self.index.blocks.pop(ns.id, None)
-        counters = self.index.counters.pop(ns.id, FsCounters())
-        self.retired.add(counters)
-        self.retired_bytes.add(counters, ns.block_bytes)
+        with self.store.census:  # (see BlockStore.census)
+            self.index.blocks.pop(ns.id, None)
+            counters = self.index.counters.pop(ns.id, FsCounters())
+            self.retired.add(counters)
+            self.retired_bytes.add(counters, ns.block_bytes)
         return len(deleted)
 
     async def inspect(self, ns: Namespace, block_hash: bytes) -> tuple[FsEntry, np.ndarray, Header]:

@@ -3,6 +3,8 @@ of truth); RPC latencies and errors are recorded as calls happen."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -22,8 +24,16 @@ class IndexCollector:
 
     def collect(self):
         store = self._store
-        namespaces = list(store.namespaces.values())
-        fs_counters, fs_blocks, _ = self._fs.totals(None) if self._fs is not None else (None, 0, 0)
+        with store.census:  # (a retirement moves a namespace's counters into the retired totals at once)
+            namespaces = list(store.namespaces.values())
+            ram, ram_bytes = replace(store.retired), replace(store.retired_bytes)
+            for ns in namespaces:
+                ram.add(ns.counters)
+                ram_bytes.add(ns.counters, ns.block_bytes)
+            fs_counters, fs_blocks, _ = self._fs.totals(None) if self._fs is not None else (None, 0, 0)
+            fs_bytes = replace(self._fs.retired_bytes) if self._fs is not None else None
+            for ns in namespaces if fs_bytes is not None else ():
+                fs_bytes.add(self._fs.index.counters[ns.id], ns.block_bytes)
 
         def per_tier(family, ram: float, fs: float | None = None):
             family.add_metric([RAM_TIER], ram)
@@ -31,25 +41,18 @@ class IndexCollector:
                 family.add_metric([FS_TIER], fs)
             return family
 
-        def ram_count(attr: str) -> int:  # (counters of retired namespaces included: they only go up)
-            return sum(getattr(ns.counters, attr) for ns in namespaces) + getattr(store.retired, attr)
-
         def tier_counter(name: str, doc: str, attr: str, fs_attr: str | None = None) -> CounterMetricFamily:
             fs = getattr(fs_counters, fs_attr or attr) if fs_counters is not None else None
-            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram_count(attr), fs)
+            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), getattr(ram, attr), fs)
 
         def tier_bytes(name: str, doc: str, attr: str) -> CounterMetricFamily:
-            ram = sum(getattr(ns.counters, attr) * ns.block_bytes for ns in namespaces) + getattr(store.retired_bytes, attr)
-            fs = None
-            if self._fs is not None:
-                fs = sum(getattr(self._fs.index.counters[ns.id], attr) * ns.block_bytes for ns in namespaces)
-                fs += getattr(self._fs.retired_bytes, attr)
-            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), ram, fs)
+            fs = getattr(fs_bytes, attr) if fs_bytes is not None else None
+            return per_tier(CounterMetricFamily(name, doc, labels=["tier"]), getattr(ram_bytes, attr), fs)
 
         yield CounterMetricFamily(
             "kvtierd_lookup_requests",
             "Lookups served (Lookup calls, LookupBatch queries, Load calls by hashes).",
-            value=ram_count("lookups"),
+            value=ram.lookups,
         )
         yield tier_counter("kvtierd_hit_blocks", "Blocks found by lookups (leading prefix).", "hits")
         yield tier_counter("kvtierd_miss_blocks", "Blocks asked for by lookups and not found.", "misses")
@@ -61,7 +64,7 @@ class IndexCollector:
         yield CounterMetricFamily(
             "kvtierd_not_admitted_blocks",
             "Store offers refused by --store-threshold.",
-            value=ram_count("not_admitted"),
+            value=ram.not_admitted,
         )
         usage = store.usage()
         fs_index = self._fs.index if self._fs is not None else None

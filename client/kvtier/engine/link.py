@@ -46,7 +46,8 @@ class DaemonLink:
         self._spec: pb.NamespaceSpec | None = None
         self._cuda_kv: pb.CudaKVCache | None = None
         self._namespace: Namespace | None = None
-        self._left = ""  # the namespace registered before the spec changed: the next Register leaves it
+        self._registered = ""  # the namespace this session registered last
+        self._left = ""  # the one registered before the spec changed: the next Register leaves it
         self._down_until = 0.0  # set when a connect attempt fails: no new attempt before then
         self._down_logged = False
         self._unresponsive = False  # the last connect attempt ran out its timeout (the daemon paused, or hung)
@@ -62,8 +63,7 @@ class DaemonLink:
             if self._spec is not None and self._spec == spec:
                 return
             self._spec = spec
-            if self._namespace is not None:
-                self._left = self._namespace.id
+            self._left = self._registered or self._left
             self._namespace = None
 
     def set_cuda_kv(self, cuda_kv: pb.CudaKVCache) -> None:
@@ -170,6 +170,7 @@ class DaemonLink:
                 self._down_until = time.monotonic() + self.reconnect_interval  # (not a new session per call)
                 raise DaemonUnavailable(exc.details()) from None
             with self._lock:
+                self._registered = namespace.id
                 if self._spec == spec:
                     self._namespace, self._left = namespace, ""
                 else:  # the spec changed meanwhile: the next Register leaves this one
@@ -208,6 +209,7 @@ class DaemonLink:
         client, self._client = self._client, None
         with self._lock:
             self._namespace = None
+            self._registered = self._left = ""  # (the next session has registered none)
         if client is not None:
             if not expected:
                 log.warning("lost kvtierd (%s); serving without it until it is back", reason)
