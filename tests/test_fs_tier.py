@@ -155,6 +155,31 @@ def test_a_restart_registers_only_the_namespaces_holding_blocks_on_disk(fs_daemo
         assert client.lookup(ns, chain_hashes(kept.id, 3)).hit_count == 3
 
 
+@pytest.mark.parametrize("stray", [False, True])
+def test_an_empty_namespace_directory_goes_at_start_and_one_that_cannot_go_is_written_again(fs_daemons, stray):
+    """A namespace left without blocks on disk (cleared) has its directory removed at the next start.
+    A file that is not a block (an operator's, an NFS leftover) keeps the directory: its engines'
+    writes then make the spec and the fan-out directories again, and no write fails."""
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        client.store(ns, chain_hashes("emptied", 2), contents(chain_hashes("emptied", 2), BLOCK))
+        wait_on_disk(daemon, 2)
+    daemon.admin("Clear", namespace=ns.id)
+    assert daemon.stop() == 0
+    directory = daemon.directory / "fs" / ns.id
+    if stray:
+        (directory / "7" / "notes.txt").write_text("kept")
+    again = fs_daemons("--fs-write-through", "true", directory=daemon.directory)
+    assert directory.exists() == stray
+    with KVTierClient(again.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("written-again", 8)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+        stats = wait_on_disk(again, 8)
+    assert (stats.io_errors, stats.stores_paused) == (0, False)
+
+
 def stored_on_disk(fs_daemons, seed: str, count: int, *args: str):
     """A daemon with --fs-write-through (and `args`) that stored `count` blocks, all of them on disk by now."""
     daemon = fs_daemons("--fs-write-through", "true", *args)

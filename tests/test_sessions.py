@@ -1,5 +1,6 @@
 """Sessions and liveness: a dead client's holds are released at once; concurrent clients keep invariants."""
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -11,6 +12,11 @@ from blocks import chain_hashes, spec
 
 from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
+from kvtierd.block_store import BlockStore
+from kvtierd.data_service import DataService
+from kvtierd.gpu_transfers import GpuTransfers
+from kvtierd.metrics import Metrics
+from kvtierd.sessions import SessionRegistry
 
 WORKER = str(Path(__file__).parent / "worker.py")
 
@@ -99,3 +105,36 @@ def test_client_connects_at_once_to_a_daemon_started_after_failed_attempts(tmp_p
     finally:
         daemon.stop()
         remove_daemon_dir(daemon.directory)
+
+
+def test_an_engine_gone_without_ending_its_session_stream_leaves_no_task_behind():
+    """gRPC cancels a Session handler whose engine vanished mid-stream (no end of stream): the tasks
+    it watched the stream with go with it, and so does the session."""
+
+    class Peer:  # (what the handler asks of gRPC's context)
+        def peer(self) -> str:
+            return "unix:engine"
+
+    async def engine_stream():
+        yield pb.SessionRequest(hello=pb.Hello(engine_name="vanishing"))
+        await asyncio.Event().wait()  # never ends: the engine is gone, its stream never closed
+
+    async def main() -> None:
+        store = BlockStore(num_pages=4, page_size=4096)
+        sessions = SessionRegistry()
+        gpu = GpuTransfers(0, 4096, pool_registered=False)
+        service = DataService(store, None, sessions, Metrics(store, sessions), pb.Limits(), pb.PoolInfo(), None, gpu)
+        before = asyncio.all_tasks()
+        for _ in range(3):
+            stream = service.Session(engine_stream(), Peer())
+            await anext(stream)  # the SessionEvent
+            handler = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.01)
+            assert len(sessions) == 1
+            handler.cancel()  # (as gRPC does)
+            with pytest.raises(asyncio.CancelledError):
+                await handler
+        await asyncio.sleep(0.01)
+        assert asyncio.all_tasks() == before and len(sessions) == 0
+
+    asyncio.run(main())

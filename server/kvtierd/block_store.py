@@ -183,9 +183,9 @@ class BlockStore:
         self._clock = clock
         self.namespaces: dict[str, Namespace] = {}
         self.retired = TierCounters()  # of the namespaces retired so far (counters only go up)
-        # Held while a retirement moves counters into `retired` (and the fs tier's) and while a metrics
-        # scrape (another thread) adds them up, which would otherwise see them in both places or in neither.
-        self.census = threading.RLock()
+        # Held while a retirement moves counters into `retired` and while a metrics scrape (another
+        # thread) adds them up, which would otherwise see them in both places or in neither.
+        self.census = threading.Lock()
         self.retired_bytes = TierCounters()  # the same in bytes (blocks times their namespace's block size)
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
@@ -237,12 +237,15 @@ class BlockStore:
         go on in `retired`. Returns the blocks deleted."""
         if self.holds_any(ns):
             raise FailedPrecondition(f"namespace {ns.id} is held by a lease or reservation")
-        deleted = self.clear(ns)
+        blocks = list(ns.blocks.values())  # (none pinned or pending: nothing holds them)
+        self.policy.remove_many(list(map(_slot_of, blocks)), forget=True)
+        ns.blocks.clear()
+        self._free_many(blocks)
         with self.census:
             del self.namespaces[ns.id]
             self.retired.add(ns.counters)
             self.retired_bytes.add(ns.counters, ns.block_bytes)
-        return deleted
+        return len(blocks)
 
     def namespace(self, namespace_id: str) -> Namespace:
         ns = self.namespaces.get(namespace_id)
@@ -541,12 +544,21 @@ class BlockStore:
         return len(victims)
 
     def clear(self, ns: Namespace | None) -> int:
+        """Drop every block of a namespace (or of all), as `_drop` does, its committed blocks together."""
         targets = [ns] if ns is not None else list(self.namespaces.values())
         deleted = 0
         for target in targets:
-            deleted += len(target.blocks)
-            for block in [*target.blocks.values(), *target.pending.values()]:
+            committed = list(target.blocks.values())
+            target.blocks.clear()
+            slots = np.fromiter(map(_slot_of, committed), dtype=np.int64, count=len(committed))
+            self.policy.remove_many(slots.tolist(), forget=True)
+            pinned = self.pins[slots] > 0  # (their pages go back when their leases end)
+            self.state[slots[pinned]] = DROPPED
+            self._orphan_pages += int(pinned.sum()) * target.pages_per_block
+            self._free_many([block for block, held in zip(committed, pinned.tolist(), strict=True) if not held])
+            for block in list(target.pending.values()):
                 self._drop(block)
+            deleted += len(committed)
         return deleted
 
     # ------------------------------------------------------------------ sessions and expiry

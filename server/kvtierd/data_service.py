@@ -97,9 +97,11 @@ class DataService(pb_grpc.KVTierServicer):
             # Heartbeats keep the stream alive and need no answer; it ends when the engine leaves or we shut down.
             drained = asyncio.ensure_future(_drain(request_iterator))
             closing = asyncio.ensure_future(self._closing.wait())
-            await asyncio.wait({drained, closing}, return_when=asyncio.FIRST_COMPLETED)
-            drained.cancel()
-            closing.cancel()
+            try:
+                await asyncio.wait({drained, closing}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # (also when gRPC cancels this handler: the engine went away without ending its stream)
+                drained.cancel()
+                closing.cancel()
         finally:
             self.sessions.close(session.id)
             registrations = await self.gpu.close_session(session.id)  # its GPU copies end before its pages go
@@ -145,16 +147,15 @@ class DataService(pb_grpc.KVTierServicer):
 
     def _retire_idle_namespace(self) -> bool:
         """Make room for a new namespace: retire the least recently used one that no connected engine
-        has registered and nothing holds, with its blocks in both tiers. False when there is none."""
+        has registered and nothing holds, with its blocks in the pool (those on disk stay until the
+        tier evicts them, and are found again should the namespace come back). False when there is none."""
         idle = [
             ns for ns in self.store.namespaces.values() if not self.sessions.engines_in(ns.id) and not self.store.holds_any(ns)
         ]
         if not idle:
             return False
         ns = min(idle, key=attrgetter("last_used"))
-        with self.store.census:  # (both tiers' counters move at once)
-            deleted = self.store.retire(ns)
-            on_disk = self.fs.retire(ns) if self.fs is not None else 0
+        deleted = self.store.retire(ns)
         self.metrics.retired_namespaces.inc()
         log.warning(
             "namespace retired to make room for a new one (--max-namespaces)",
@@ -162,7 +163,6 @@ class DataService(pb_grpc.KVTierServicer):
                 "namespace": ns.id,
                 "model": ns.spec.model_id,
                 "deleted_blocks": deleted,
-                "deleted_blocks_on_disk": on_disk,
             },
         )
         return True

@@ -388,7 +388,8 @@ def scan_namespace(directory: Path, known: Known, progress=None) -> ScannedNames
 def remove_namespace_dir(directory: Path) -> bool:
     """Remove the directory of a namespace that holds no block, its spec file first (a namespace is
     never left with its spec and without its fan-out directories, which `write_spec` would not make
-    again); False, with a warning, when something in it stays."""
+    again); False, with a warning, when something in it stays (its next `write_spec` then makes the
+    rest again)."""
     try:
         (directory / SPEC_FILE).unlink(missing_ok=True)
         for name in FANOUT:

@@ -51,6 +51,7 @@ class FsIndex:
         self.changes = 0  # blocks added and removed so far (the index file is rewritten when it moved)
         self.blocks: dict[str, dict[bytes, FsEntry]] = defaultdict(dict)
         self.counters: dict[str, FsCounters] = defaultdict(FsCounters)
+        self.block_bytes: dict[str, int] = {}  # per namespace that has had a block here (byte counters)
         self._by_slot: dict[int, FsEntry] = {}
         self._slots = itertools.count()
         self.policy = make_policy(eviction)
@@ -120,6 +121,7 @@ class FsIndex:
     def add(self, namespace: str, block_hash: bytes, block_bytes: int, created_at: float, reserved: bool) -> FsEntry:
         """Index a block whose file is complete (charged by `reserve` when `reserved`)."""
         charge = charged_bytes(block_bytes)
+        self.block_bytes[namespace] = block_bytes
         if reserved:
             self.inflight_bytes -= charge
         old = self.blocks[namespace].get(block_hash)
@@ -139,6 +141,7 @@ class FsIndex:
     def add_many(self, namespace: str, hashes: list[bytes], block_bytes: int) -> None:
         """Index blocks found on disk at start (times unknown until a block is first read)."""
         charge = charged_bytes(block_bytes)
+        self.block_bytes[namespace] = block_bytes
         table = self.blocks[namespace]
         hashes = [h for h in hashes if h not in table]
         slots = list(itertools.islice(self._slots, len(hashes)))

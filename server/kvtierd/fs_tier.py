@@ -172,16 +172,14 @@ class FsTier:
         self._unlisted: set[Path] = set()  # fan-out directories with a file the disk refused to remove (_unlink)
         self._saved_changes = -1  # index.changes when the index file was last written
         self._staging_sizes: set[int] = set()  # sizes of the staging buffers made ahead of need
-        self.retired = FsCounters()  # of the namespaces retired so far (counters only go up)
-        self.retired_bytes = FsCounters()  # the same in bytes
 
     # ------------------------------------------------------------------ start and stop
 
     def open(self) -> list[pb.NamespaceSpec]:
         """Index the blocks already under the root (file names only; each file's header and checksum
         are checked when it is first read). Returns the specs of the namespaces found holding blocks
-        (an empty one, cleared, evicted or retired, would only take one of --max-namespaces: its
-        directory is removed, and made again when its engines store into it)."""
+        (an empty one, cleared or evicted, would only take one of --max-namespaces: its directory is
+        removed, and made again when its engines store into it)."""
         started = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         if self.settings.direct_io:
@@ -214,13 +212,12 @@ class FsTier:
                     continue
                 strays += scanned.strays
                 listed += scanned.listed
-                if not scanned.hashes and remove_namespace_dir(directory):  # (cleared, evicted or retired)
-                    emptied += 1
+                if not scanned.hashes:  # (cleared or evicted): its next write makes what is missing again
+                    emptied += remove_namespace_dir(directory)
                     continue
                 self.index.add_many(directory.name, scanned.hashes, scanned.spec.block_bytes)
                 self._spec_written.add(directory.name)
-                if scanned.hashes:
-                    specs.append(scanned.spec)
+                specs.append(scanned.spec)
         excess = [self._path(e) for e in self.index.over_capacity()]
         list(self.executor.map(self._unlink, excess))
         self._unsynced.update(path.parent for path in excess)
@@ -657,17 +654,6 @@ class FsTier:
         self._remove_files(entries)
         return deleted
 
-    def retire(self, ns: Namespace) -> int:
-        """Delete a namespace the daemon retires (BlockStore.retire) from disk, its counters going on in
-        `retired`; the next start removes its directory. Returns the blocks deleted."""
-        deleted = self.clear(ns.id).get(ns.id, set())
-        with self.store.census:  # (see BlockStore.census)
-            self.index.blocks.pop(ns.id, None)
-            counters = self.index.counters.pop(ns.id, FsCounters())
-            self.retired.add(counters)
-            self.retired_bytes.add(counters, ns.block_bytes)
-        return len(deleted)
-
     async def inspect(self, ns: Namespace, block_hash: bytes) -> tuple[FsEntry, np.ndarray, Header]:
         """Read one block from disk (verified like any read: a bad file is dropped and NOT_FOUND)."""
         entry = self.index.get(ns.id, block_hash)
@@ -685,12 +671,9 @@ class FsTier:
         return entry, buffer[: ns.block_bytes], header
 
     def totals(self, ns_id: str | None) -> tuple[FsCounters, int, int]:
-        """(counters, blocks, data bytes) of one namespace or of the whole tier (its counters with those
-        of retired namespaces; also from a metrics scrape's thread: what the event loop may change
-        meanwhile is copied first)."""
+        """(counters, blocks, data bytes) of one namespace or of the whole tier (also from a metrics
+        scrape's thread: what the event loop may change meanwhile is copied first)."""
         counters = FsCounters()
-        if ns_id is None:
-            counters.add(self.retired)
         blocks = used = 0
         for digest in [ns_id] if ns_id is not None else list(self.index.blocks):
             counters.add(self.index.counters[digest])

@@ -30,10 +30,11 @@ class IndexCollector:
             for ns in namespaces:
                 ram.add(ns.counters)
                 ram_bytes.add(ns.counters, ns.block_bytes)
-            fs_counters, fs_blocks, _ = self._fs.totals(None) if self._fs is not None else (None, 0, 0)
-            fs_bytes = replace(self._fs.retired_bytes) if self._fs is not None else None
-            for ns in namespaces if fs_bytes is not None else ():
-                fs_bytes.add(self._fs.index.counters[ns.id], ns.block_bytes)
+        fs_counters, fs_blocks, _ = self._fs.totals(None) if self._fs is not None else (None, 0, 0)
+        fs_bytes = FsCounters() if self._fs is not None else None
+        if fs_bytes is not None:  # (every namespace the tier has counted, retired ones included)
+            for digest, block_bytes in list(self._fs.index.block_bytes.items()):
+                fs_bytes.add(self._fs.index.counters.get(digest, FsCounters()), block_bytes)
 
         def per_tier(family, ram: float, fs: float | None = None):
             family.add_metric([RAM_TIER], ram)
