@@ -120,7 +120,7 @@ class FakeEngine:
         self.buffer, self.views = allocate_kv_cache(geometry, layout)
         self.kv = GpuKV(list(self.views.values()), geometry.num_blocks)
         self.link = DaemonLink(address, name, timeout=30.0, reconnect_interval=0.2)
-        self.transfers = BlockTransfers(self.link, self.kv, tp_rank=tp_rank, delay_frees=True)
+        self.transfers = BlockTransfers(self.link, self.kv, tp_rank=tp_rank)
         self.transfers.configure(namespace_spec(geometry, layout, tp_size).SerializeToString())
         self.barrier()  # connected and registered (the connector's first stores may go through shm instead)
 
@@ -128,11 +128,13 @@ class FakeEngine:
         """The bytes of these blocks as the pool stores them: [n, block_bytes] uint8."""
         return torch.cat([r.rows[block_ids] for r in self.kv.runs], dim=1)
 
-    def fill(self, block_ids: list[int], seed: int) -> None:
-        """Write seeded data into the blocks as a forward would: queued on the compute stream behind
-        ~0.1 s of GPU work, not waited for. Only the ready event orders a store's copy after it."""
+    def fill(self, block_ids: list[int], seed: int, busy: bool = True) -> None:
+        """Write seeded data into the blocks as a forward would: queued on the compute stream (behind
+        ~0.1 s of GPU work when `busy`), not waited for. Only the ready event orders a store's copy
+        after it."""
         data = seeded_blocks(self.geometry, seed, len(block_ids))
-        torch.cuda._sleep(200_000_000)
+        if busy:
+            torch.cuda._sleep(200_000_000)
         start = 0
         for run in self.kv.runs:
             run.rows[block_ids] = data[:, start : start + run.run.size]
@@ -142,7 +144,16 @@ class FakeEngine:
         """As the connector does after a forward: save, then (here) wait for the daemon's copy."""
         self.transfers.save([StoreJob(req_id, block_ids, block_hashes(hash_seed, len(block_ids)))])
         self.barrier()
-        self.transfers.finished_stores({req_id})
+
+    def store_and_overwrite(self, block_ids: list[int], seed: int, overwrite_seed: int, fence: bool = True) -> None:
+        """Store the blocks, then, as vLLM does once it has freed them (the request finished) and
+        allocated them afresh to the next step, write them again at once; the connector fences them
+        first (`fence`: False only to show what it prevents)."""
+        self.transfers.save([StoreJob("finished", block_ids, block_hashes(seed, len(block_ids)))])
+        if fence:
+            self.transfers.fence(set(block_ids))
+        self.fill(block_ids, overwrite_seed, busy=False)
+        self.barrier()
 
     def barrier(self) -> None:
         """Every call submitted to the link so far has finished."""
@@ -178,6 +189,9 @@ def main(spec: dict) -> None:
         elif "store" in step:
             engine.store(step["store"], step.get("hash_seed", step["seed"]))
             result["cuda_ipc"] = engine.link.cuda_registered
+            result["stored_blocks"] = engine.transfers.take_stats().stored_blocks
+        elif "store_and_overwrite" in step:
+            engine.store_and_overwrite(step["store_and_overwrite"], step["seed"], step["overwrite_seed"], step.get("fence", True))
             result["stored_blocks"] = engine.transfers.take_stats().stored_blocks
         elif "load" in step:
             result["loaded"] = engine.load(step["load"], step.get("hash_seed", step["seed"]))

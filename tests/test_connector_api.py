@@ -183,28 +183,36 @@ def test_gpu_engines_ask_for_a_block_outermost_layout_where_no_kernel_splits_blo
     assert KVTierConnector.get_required_kvcache_layout(vllm_config) == layout
 
 
-@pytest.mark.parametrize("preempted", [False, True])
-def test_a_gpu_request_preempted_between_steps_then_aborted_is_freed_at_once(tmp_path, preempted):
-    """A GPU engine's request with stores planned is freed only once the workers report its stores,
-    unless vLLM preempted it since its last step (as reset_prefix_cache(reset_running_requests=True)
-    does, outside any step): its blocks went back then, and the workers fence its stores in the next
-    step instead of reporting them, so vLLM would wait for that request forever."""
+def test_a_gpu_engines_request_is_freed_at_once_and_the_blocks_a_step_writes_afresh_are_fenced(tmp_path):
+    """A GPU engine's request with stores planned is freed as soon as it finishes (vLLM can then
+    reset its prefix cache, or sleep, at once: a request holding its blocks for a store made that
+    fail, or wait for a step that an idle engine never takes). Each step's plan names the blocks
+    vLLM allocated afresh for its forward (a new request's past its computed tokens, those added to
+    running or resumed ones), which the workers fence from stores still reading them."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     address = f"unix://{tmp_path}/absent.sock"
     vllm_config, kv_cache_config = engine_config(tmp_path, device="cuda", extra_config={"address": address})
     connector = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    block = vllm_config.cache_config.block_size
     try:
         request = SimpleNamespace(
-            request_id="r", block_hashes=[b"a" * 32, b"b" * 32], num_prompt_tokens=33, num_computed_tokens=0,
-            num_preemptions=0, kv_transfer_params=None,
+            request_id="r", block_hashes=[b"a" * 32, b"b" * 32], num_prompt_tokens=2 * block + 1, num_computed_tokens=0,
+            kv_transfer_params=None,
         )  # fmt: skip
         connector.get_num_new_matched_tokens(request, 0)
         blocks = SimpleNamespace(get_block_ids=lambda req_id: ([4, 5],))
-        step = SimpleNamespace(num_scheduled_tokens={"r": 32}, kv_connector_block_state=blocks, preempted_req_ids=set())
-        assert [job.block_ids for job in connector.build_connector_meta(step).plan.stores] == [[4, 5]]
-        request.num_preemptions += preempted
-        assert connector.request_finished(request, [4, 5]) == (not preempted, None)
+        new = SimpleNamespace(block_ids=([1, 2, 3],), num_computed_tokens=block)  # its first block a prefix-cache hit
+        step = SimpleNamespace(
+            num_scheduled_tokens={"r": 2 * block},
+            kv_connector_block_state=blocks,
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=SimpleNamespace(new_block_ids=[([6],), None, ([7, 8],)]),
+        )
+        plan = connector.build_connector_meta(step).plan
+        assert [job.block_ids for job in plan.stores] == [[4, 5]]
+        assert plan.fresh_blocks == [2, 3, 6, 7, 8]
+        assert connector.request_finished(request, [4, 5]) == (False, None)
     finally:
         connector.shutdown()
 

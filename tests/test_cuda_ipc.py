@@ -293,6 +293,20 @@ def test_round_trip_engine_a_to_engine_b_byte_exact(start_daemon, layout, target
 
 
 @gpu
+def test_blocks_a_later_step_writes_afresh_are_stored_as_they_were(start_daemon):
+    """vLLM frees a finished request's blocks at once, even while the daemon is still to copy them
+    for a store; a later step that writes them again (fenced first, as handle_preemptions does with
+    the blocks the step allocated afresh) changes nothing of what the daemon stores."""
+    daemon = start_daemon("--pool-size", "256MiB")
+    ids, targets = list(range(8)), list(range(32, 40))
+    steps = [{"fill": ids, "seed": 3}, {"store_and_overwrite": ids, "seed": 3, "overwrite_seed": 4}, {"check": ids, "seed": 4}]
+    a = results(engine(daemon.address, steps, "BLHNC"))
+    assert a[1]["stored_blocks"] == 8 and a[2]["matches"]  # (stored, then written over)
+    b = results(engine(daemon.address, [{"load": targets, "seed": 3}, {"check": targets, "seed": 3}], "BLHNC"))
+    assert b[0]["loaded"] and b[1]["matches"]
+
+
+@gpu
 def test_a_block_failing_its_checksum_on_a_load_is_dropped_and_stored_again(start_daemon):
     """A block whose bytes in the pool went bad: the cuda_ipc load fails (the engine recomputes), the
     block leaves the daemon, and the engine's next store of it puts good bytes back."""

@@ -720,37 +720,36 @@ def test_a_request_finished_during_its_load_keeps_its_blocks_until_the_load_is_r
     assert planner.finished("never-loaded") is False
 
 
-def test_gpu_engines_keep_blocks_until_the_daemon_copied_them(link):
-    """GPU engines (the daemon reads the blocks after the step): a finished request's blocks wait for
-    its stores (vLLM's finished_sending); a preempted request's unsent stores are dropped and its
-    blocks are no longer held (vLLM freed them)."""
-    planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString(), delay_free_for_stores=True)
+def test_gpu_engines_free_blocks_at_once_and_fence_those_a_step_writes_afresh(link):
+    """GPU engines (the daemon reads the blocks after the step): vLLM frees a finished request's
+    blocks at once, stores planned or not (so resetting its prefix cache or sleeping never waits for
+    a store). Before a step writes blocks allocated afresh, the store calls still reading any of them
+    are withdrawn if not yet sent, else awaited; calls reading other blocks are left alone."""
+    planner = PrefixPlanner(link, BLOCK_TOKENS, engine_spec().SerializeToString())
     hashes = chain_hashes("gpu-frees", 4)
-    for req_id in ("r", "p"):
-        planner.matched_tokens(req_id, hashes, 4 * BLOCK_TOKENS + 1, 0, None)
-    plan = planner.plan_step([(r, 4 * BLOCK_TOKENS, hashes, [0, 1, 2, 3]) for r in ("r", "p")])
-    assert [j.req_id for j in plan.stores] == ["r", "p"]
-    assert planner.plan_step([], preempted=["p"]).preempted == ["p"]
-    assert planner.finished("r") is True  # stores planned: vLLM keeps the blocks until the workers say so
-    assert planner.finished("p") is False  # preempted: its blocks went back already
-    assert planner.finished("no-stores") is False
+    planner.matched_tokens("r", hashes, 4 * BLOCK_TOKENS + 1, 0, None)
+    plan = planner.plan_step([("r", 4 * BLOCK_TOKENS, hashes, [0, 1, 2, 3])], fresh_blocks=[0, 1, 2, 3])
+    assert [j.req_id for j in plan.stores] == ["r"] and plan.fresh_blocks == [0, 1, 2, 3]
+    assert planner.finished("r") is False
 
     worker, _ = transfers(link, seed=2)
-    worker.delay_frees = True
-    release = threading.Event()
-    running = link.submit(lambda client, ns: release.wait(10))  # a daemon call under way
-    queued = link.submit(lambda client, ns: 1)  # a store still waiting for the link thread
-    worker.save(plan.stores)
+    under_way, release = threading.Event(), threading.Event()
+    running = link.submit(lambda client, ns: under_way.set() or release.wait(10))  # a store call in the daemon
+    queued = link.submit(lambda client, ns: 1)  # one still waiting for the link thread
+    under_way.wait(10)
     in_30_s = time.monotonic_ns() + 30_000_000_000
-    worker._device_stores["r"].append(DeviceCall(in_30_s, running))  # as cuda_ipc stores in flight would be
-    worker._device_stores["p"].append(DeviceCall(in_30_s, queued))
-    assert worker.finished_stores({"r"}) == set()  # not yet: the daemon has not copied
-    worker.fence({"p"})
+    worker._gpu_stores = [
+        DeviceCall(in_30_s, running, [StoreJob("r", [0, 1], hashes[:2])]),
+        DeviceCall(in_30_s, queued, [StoreJob("p", [2, 3], hashes[2:])]),
+    ]
+    worker.fence({7, 8})  # no store reads them
+    assert not queued.cancelled() and not running.done()
+    worker.fence({3})
     assert queued.cancelled() and not running.done()  # never sent, so nothing to wait for
-    release.set()
-    wait(lambda: running.done())
-    assert worker.finished_stores(set()) == {"r"}  # remembered from before: reported once done
-    assert worker.finished_stores({"r", "p"}) == set()
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    worker.fence({1})
+    assert running.done() and time.monotonic() - started > 0.2  # the daemon had copied first
 
 
 def device_call(link, due_in: float, outcome: Exception | None = None, gate: threading.Event | None = None) -> DeviceCall:
@@ -849,36 +848,33 @@ def test_a_copy_call_is_not_sent_once_its_deadline_has_passed(link):
     assert late.settled()
 
 
-def test_a_preemption_fence_waits_until_no_store_holds_the_blocks(link, monkeypatch):
-    """vLLM reuses a preempted request's blocks once handle_preemptions returns. The fence waits for
-    its stores: one that failed without the daemon being done with it until its deadline and the
-    grace have passed. A finished request's store with no answer at all (the link thread stuck)
-    holds its blocks no longer than that either."""
+def test_a_fence_waits_until_no_store_holds_the_blocks(link, monkeypatch):
+    """vLLM writes blocks allocated afresh once the fence returns. It waits for the stores reading
+    them: one that failed without the daemon being done with it until its deadline and the grace
+    have passed; one with no answer at all (the link thread stuck) no longer than that either."""
     monkeypatch.setattr(worker_module, "CUDA_ANSWER_GRACE_S", 0.5)
     worker, _ = transfers(link, seed=4)
-    worker.delay_frees = True
     link.submit(lambda client, ns: None).result(timeout=10)  # connected
     broken = device_call(link, 2.0, BROKEN)
     wait(broken.future.done)  # failed, and held until 2.5 s
     stuck_gate = threading.Event()
     stuck = device_call(link, 3.0, gate=stuck_gate)  # held until 3.5 s at most
-    worker._device_stores["broken"] = [broken]
-    worker._device_stores["stuck"] = [stuck]
-    worker.fence({"broken"})
+    broken.store_jobs = [StoreJob("finished", [0], chain_hashes("broken", 1))]
+    stuck.store_jobs = [StoreJob("preempted", [1], chain_hashes("stuck", 1))]
+    worker._gpu_stores = [broken, stuck]
+    worker.fence({0})
     assert broken.hold_end_ns <= time.monotonic_ns() < stuck.hold_end_ns
-    assert worker.finished_stores({"stuck"}) == set()  # not yet past its hold, even with no answer
-    wait(lambda: worker.finished_stores(set()) == {"stuck"}, timeout=10)
+    worker.fence({1})
     assert time.monotonic_ns() >= stuck.hold_end_ns
     stuck_gate.set()
 
 
 def queued_gpu_stores(link, seed: int, monkeypatch) -> tuple[BlockTransfers, list, threading.Event]:
-    """A GPU engine's worker (delayed frees) whose store calls wait in the link thread's queue behind a
+    """A GPU engine's worker whose store calls wait in the link thread's queue behind a
     stuck call until the returned event is set; `sent` records (block ids, ready event) of each
     store call the link thread runs. The copy those calls make needs a GPU (the GPU tests make it for
     real); what is under test here is which calls run, and the worker's bookkeeping."""
     worker, _ = transfers(link, seed=seed)
-    worker.delay_frees = True
     sent = []
     monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append((ids, ready)) or len(ids))
     stuck = threading.Event()
@@ -887,43 +883,41 @@ def queued_gpu_stores(link, seed: int, monkeypatch) -> tuple[BlockTransfers, lis
 
 
 def test_a_tensor_parallel_ranks_store_calls_and_their_resends_carry_its_rank(daemon, monkeypatch):
-    """A GPU worker's store call, and the one a preemption sends again without the preempted
-    request's blocks, carry the rank's keys (the copy itself needs a GPU: recorded here)."""
+    """A GPU worker's store call, and the one a fence sends again without the jobs reading fresh
+    blocks, carry the rank's keys (the copy itself needs a GPU: recorded here)."""
     link = DaemonLink(daemon.address, "rank-1", timeout=10.0, reconnect_interval=0.2)
     try:
-        worker = BlockTransfers(link, LayerMajorKV(kv_cache(3)), tp_rank=1, delay_frees=True)
+        worker = BlockTransfers(link, LayerMajorKV(kv_cache(3)), tp_rank=1)
         worker.configure(tp_spec(2).SerializeToString(deterministic=True))
         sent = []
         monkeypatch.setattr(worker, "_store_gpu", lambda client, ns, hashes, ids, ready, call: sent.append(hashes) or len(ids))
         stuck = threading.Event()
         link.submit(lambda client, ns: stuck.wait(30))
         hashes = chain_hashes("rank-keys", 4)
-        worker._device_stores.update({"preempted": [], "running": []})
         worker._pending_gpu_stores = 1
         worker._submit_gpu_store([StoreJob("preempted", [0, 1], hashes[:2]), StoreJob("running", [2, 3], hashes[2:])], ready=7)
-        worker.fence({"preempted"})
+        worker.fence({0, 1})
         stuck.set()
-        wait(lambda: worker.finished_stores({"running"}) == {"running"})
+        wait(lambda: worker._pending_gpu_stores == 0)
         assert sent == [[h + b"\x00\x01" for h in hashes[2:]]]
     finally:
         link.close()
 
 
-def test_a_preemption_withdraws_only_its_own_blocks_from_its_steps_store(link, monkeypatch):
-    """A step's store call carries every request of the step. Preempting one while the call still
-    waits for the link withdraws that request's blocks alone: the call goes again with the others'
+def test_a_fence_withdraws_only_the_jobs_reading_fresh_blocks_from_its_steps_store(link, monkeypatch):
+    """A step's store call carries every request of the step. A fence while the call still waits for
+    the link withdraws the jobs reading the fresh blocks alone: the call goes again with the others'
     (after the same ready event), and the fence does not wait for it."""
     worker, sent, stuck = queued_gpu_stores(link, 5, monkeypatch)
     hashes = chain_hashes("step", 4)
-    worker._device_stores.update({"preempted": [], "running": []})
     worker._pending_gpu_stores = 1  # (as save counts the call)
-    worker._submit_gpu_store([StoreJob("preempted", [0, 1], hashes[:2]), StoreJob("running", [2, 3], hashes[2:])], ready=7)
+    worker._submit_gpu_store([StoreJob("finished", [0, 1], hashes[:2]), StoreJob("running", [2, 3], hashes[2:])], ready=7)
     started = time.monotonic()
-    worker.fence({"preempted"})
+    worker.fence({1, 9})
     assert time.monotonic() - started < 0.5 and worker.stats.store_skipped_blocks == 2
     stuck.set()
-    wait(lambda: worker.finished_stores({"running"}) == {"running"})
-    assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2 and worker._pending_gpu_stores == 0
+    wait(lambda: worker._pending_gpu_stores == 0)
+    assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2
 
 
 @contextlib.contextmanager
@@ -935,7 +929,6 @@ def shared_store_behind_a_stuck_call(daemon, monkeypatch, seed: int, timeout: fl
     try:
         worker, sent, stuck = queued_gpu_stores(link, seed, monkeypatch)
         hashes = chain_hashes(f"shared-{seed}", 4)
-        worker._device_stores.update({"A": [], "B": []})
         worker._pending_gpu_stores = 1
         worker._submit_gpu_store([StoreJob("A", [0], hashes[:1]), StoreJob("B", [1], hashes[1:2])], ready=1)
         yield worker, sent, stuck, hashes
@@ -944,35 +937,33 @@ def shared_store_behind_a_stuck_call(daemon, monkeypatch, seed: int, timeout: fl
 
 
 def test_a_fence_after_a_shared_store_was_given_up_withdraws_the_requests_later_stores(daemon, monkeypatch):
-    """A step's store call for requests A and B waits behind a stuck call past its deadline: vLLM
-    takes B back (finished_stores withdraws the call), then preempts A. The fence neither trips over
-    B (gone) nor stops part-way: A's later store, still queued, is withdrawn too, and nothing is
-    left counted as pending."""
+    """A step's store call for requests A and B waits behind a stuck call past its deadline (given up:
+    it holds nothing). A fence of A's blocks, the old one and the one of its next step, neither trips
+    over the given-up call nor stops part-way: A's later store, still queued, is withdrawn too, and
+    nothing is left counted as pending."""
     with shared_store_behind_a_stuck_call(daemon, monkeypatch, seed=8, timeout=0.3) as (worker, sent, stuck, hashes):
         time.sleep(0.4)  # past that call's deadline
-        assert worker.finished_stores({"B"}) == {"B"}
         worker._pending_gpu_stores += 1
         worker._submit_gpu_store([StoreJob("A", [2], hashes[2:3])], ready=2)  # A's next step
-        worker.fence({"A"})
+        worker.fence({0, 2})
         stuck.set()
         time.sleep(0.3)
-        assert sent == [] and worker._pending_gpu_stores == 0 and worker._device_stores == {}
+        assert sent == [] and worker._pending_gpu_stores == 0 and worker._gpu_stores == []
 
 
 def test_a_store_given_up_past_its_deadline_is_not_sent_again_by_a_later_fence(daemon, monkeypatch):
-    """A step's store for A and B waits behind a stuck call past its deadline and is given up (B
-    finishing); B still has a later store under way. Preempting A then must not send the given-up
-    store again for B: only B's later store goes."""
+    """A step's store for A and B waits behind a stuck call past its deadline and is given up; B has
+    a later store under way. A fence of A's block then must not send the given-up store again for
+    B: only B's later store goes."""
     with shared_store_behind_a_stuck_call(daemon, monkeypatch, seed=9, timeout=0.6) as (worker, sent, stuck, hashes):
         time.sleep(0.4)
         worker._pending_gpu_stores += 1
         worker._submit_gpu_store([StoreJob("B", [5], hashes[2:3])], ready=2)  # B's next step, due later
         time.sleep(0.3)  # the first call past its deadline, the second not
-        assert worker.finished_stores({"B"}) == set()  # (B's second store still holds its blocks)
-        worker.fence({"A"})
+        worker.fence({0})
         stuck.set()
-        wait(lambda: worker.finished_stores(set()) == {"B"})
-        assert sent == [([5], 2)] and worker._pending_gpu_stores == 0
+        wait(lambda: worker._pending_gpu_stores == 0)
+        assert sent == [([5], 2)]
 
 
 def test_a_gpu_cache_that_cannot_be_shared_is_copied_by_the_engine(link):
@@ -1008,7 +999,7 @@ def test_gpu_stores_waiting_for_a_slow_daemon_are_bounded(link):
             return self.ready % 64
 
     cache = GpuCache()
-    worker = BlockTransfers(link, cache, delay_frees=True)
+    worker = BlockTransfers(link, cache)
     worker.configure(engine_spec().SerializeToString(deterministic=True))
     release = threading.Event()
     busy = link.submit(lambda client, ns: release.wait(30))  # the daemon's answer is slow in coming

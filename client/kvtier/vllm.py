@@ -286,7 +286,6 @@ class KVTierConnector(KVConnectorBase_V1):
         self._unsupported = False
         self._transfers: BlockTransfers | None = None
         self._requests: dict[str, Any] = {}
-        self._preemptions: dict[str, int] = {}  # per request scheduled: its preemptions as of its last step
         self._failed_loads: set[str] = set()
         self._vllm_config = vllm_config
         self._link.connect_soon(map_pool=role == KVConnectorRole.WORKER and not _on_gpu(vllm_config))
@@ -316,7 +315,6 @@ class KVTierConnector(KVConnectorBase_V1):
             self._registered_spec().SerializeToString(deterministic=True),
             offload_prompt_only=self.config.offload_prompt_only,
             lookup_wait_s=self.config.lookup_wait_s,
-            delay_free_for_stores=_on_gpu(self._vllm_config),
             drop_last_hit_block=drops_last_hit_block(self._vllm_config),
         )
 
@@ -381,8 +379,8 @@ class KVTierConnector(KVConnectorBase_V1):
             else:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
-            self._preemptions[req_id] = getattr(request, "num_preemptions", 0)
-        return KVTierMetadata(planner.plan_step(scheduled, sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())))
+        fresh = _fresh_blocks(scheduler_output, self._block_size) if _on_gpu(self._vllm_config) else None
+        return KVTierMetadata(planner.plan_step(scheduled, fresh))
 
     @guarded(default=False)
     def reset_cache(self) -> bool:
@@ -406,11 +404,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded(default=lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        preemptions = getattr(request, "num_preemptions", 0)
-        preempted = self._preemptions.pop(request.request_id, preemptions) != preemptions
-        # An unfinished load delays the free; so do stores on GPU engines (the copy runs after the step;
-        # CPU engines copy the blocks out at the end of their step), unless preempted since.
-        loading = self._planner is not None and self._planner.finished(request.request_id, preempted)
+        # An unfinished load delays the free; stores never do (see PrefixPlanner.finished).
+        loading = self._planner is not None and self._planner.finished(request.request_id)
         return loading, None
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
@@ -441,7 +436,6 @@ class KVTierConnector(KVConnectorBase_V1):
             self.config.max_pending_store_bytes,
             tp_rank,
             self.config.debug_load_delay_s,
-            delay_frees=_on_gpu(self._vllm_config),
             pp_rank=pp_rank,
         )
         if kv is not None:
@@ -473,10 +467,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @guarded()
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """Preempted requests' blocks are reused next: let the daemon finish reading them first."""
+        """Called before the step writes any block (0.32 and 0.33): blocks allocated afresh for it may
+        have been a finished or preempted request's, still read by its stores; those end first."""
         plan = getattr(kv_connector_metadata, "plan", None)
-        if self._transfers is not None and plan is not None and plan.preempted:
-            self._transfers.fence(set(plan.preempted))
+        if self._transfers is not None and plan is not None and plan.fresh_blocks:
+            self._transfers.fence(set(plan.fresh_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
@@ -496,7 +491,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         finished, failed = self._transfers.finished_loads()
         self._failed_loads |= failed
-        return self._transfers.finished_stores(set(finished_req_ids or ())) or None, finished or None
+        return None, finished or None  # (stores never hold a request's blocks: see handle_preemptions)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)
@@ -533,6 +528,19 @@ def drops_last_hit_block(vllm_config) -> bool:
     speculative = getattr(vllm_config, "speculative_config", None)
     drops = getattr(speculative, "use_eagle_block_drop", None) or getattr(speculative, "use_eagle", None)
     return bool(drops and drops())
+
+
+def _fresh_blocks(scheduler_output, block_size: int) -> list[int]:
+    """The blocks vLLM allocated afresh for this step's forward: a new request's blocks past its
+    computed tokens (those before are prefix-cache hits, or the blocks a load filled), and the blocks
+    added to scheduled requests (all of a resumed request's blocks)."""
+    fresh: list[int] = []
+    for new in scheduler_output.scheduled_new_reqs:
+        fresh += new.block_ids[0][new.num_computed_tokens // block_size :]
+    for added in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if added is not None:
+            fresh += added[0]
+    return fresh
 
 
 def _on_gpu(vllm_config) -> bool:

@@ -28,4 +28,6 @@ class StepPlan:
     namespace_spec: bytes = b""  # serialized NamespaceSpec, so workers register the same namespace
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # requests whose blocks vLLM is about to reuse
+    # GPU engines: the blocks vLLM allocated afresh for this step's forward; stores still reading one of
+    # them (a request's finished or preempted since) must end first
+    fresh_blocks: list[int] = field(default_factory=list)

@@ -53,7 +53,6 @@ class PrefixPlanner:
     namespace_spec: bytes
     offload_prompt_only: bool = True
     lookup_wait_s: float = 1.0
-    delay_free_for_stores: bool = False  # GPU engines: the daemon reads the blocks after the step ends
     drop_last_hit_block: bool = False  # speculative decoding on the target's hidden states (EAGLE, MTP)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     _requests: dict[str, _Request] = field(default_factory=dict)
@@ -61,7 +60,6 @@ class PrefixPlanner:
     _in_flight: list[tuple[list[str], Future]] = field(default_factory=list)
     _loads: list[LoadJob] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)  # requests whose load the workers have not reported
-    _storing: set[str] = field(default_factory=set)  # requests with stores planned (delay_free_for_stores)
     _lookup_suffix: bytes = field(init=False)  # lookups ask for the first TP rank's keys
 
     def __post_init__(self) -> None:
@@ -151,12 +149,15 @@ class PrefixPlanner:
         self._loading.add(req_id)
         self.stats.hit_tokens += num_external_tokens
 
-    def plan_step(self, scheduled: list[tuple[str, int, list[bytes], list[int]]], preempted: list[str] | None = None) -> StepPlan:
+    def plan_step(
+        self, scheduled: list[tuple[str, int, list[bytes], list[int]]], fresh_blocks: list[int] | None = None
+    ) -> StepPlan:
         """vLLM's build_connector_meta. `scheduled`: (req_id, tokens computed once this step ran,
-        the request's block hashes, its block ids) for every request in the step."""
+        the request's block hashes, its block ids) for every request in the step; `fresh_blocks` (GPU
+        engines): the blocks vLLM allocated afresh for the step's forward (the workers fence them
+        before it, and a load's blocks before the load)."""
         self._flush_lookups()
-        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads, preempted=list(preempted or ()))
-        self._storing -= set(plan.preempted)  # the workers fence them: their blocks are free already
+        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads, fresh_blocks=list(fresh_blocks or ()))
         self._loads = []
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)
@@ -167,8 +168,6 @@ class PrefixPlanner:
                 plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
                 self.stats.store_blocks_planned += full - state.stored_upto
                 state.stored_upto = full
-                if self.delay_free_for_stores:
-                    self._storing.add(req_id)
         return plan
 
     def renamespace(self, namespace_spec: bytes) -> None:
@@ -192,14 +191,12 @@ class PrefixPlanner:
                 self.stats.load_failures += 1
                 log.warning("load from kvtierd failed for request %s; it recomputes", req_id)
 
-    def finished(self, req_id: str, preempted_since_planned: bool = False) -> bool:
-        """vLLM's request_finished: True while a load still writes into the request's blocks, or (GPU
-        engines) stores may still read them, so vLLM keeps them until the workers report (and then
-        frees them). A request preempted since its last step (vLLM preempts outside a step to reset
-        its prefix cache) had its blocks freed then, and the workers fence its stores in the next
-        step instead of reporting them: its stores hold nothing."""
+    def finished(self, req_id: str) -> bool:
+        """vLLM's request_finished: True while a load still writes into the request's blocks, so vLLM
+        keeps them until the workers report it (and then frees them). Stores never hold them: on GPU
+        engines, where the daemon reads the blocks after the step, the workers fence the blocks a later
+        step allocates afresh instead (`StepPlan.fresh_blocks`), so that vLLM can reset its prefix
+        cache or sleep at once."""
         self._requests.pop(req_id, None)
         self._queued.pop(req_id, None)
-        storing = req_id in self._storing and not preempted_since_planned
-        self._storing.discard(req_id)
-        return req_id in self._loading or storing
+        return req_id in self._loading

@@ -4,16 +4,18 @@ Two transports, chosen per daemon connection:
 - cuda_ipc (a GPU cache the daemon opened): the daemon copies. A load is one Load call that returns
   when the blocks are in the engine's memory and verified. A store records the engine's ready event
   after the forward and sends one Reserve call; the daemon's copy waits for that event, so the
-  engine's stream never waits for a store. The blocks must not be reused before the daemon copied
-  them: a finished request's blocks are freed only once its stores are done (vLLM's
-  finished_sending), and a preempted request's stores are awaited before its blocks are reused.
-  "Done" means the daemon answered, or the call's deadline (fixed when it is submitted) and
-  CUDA_ANSWER_GRACE_S have passed: a call that failed here after its request went out (a timeout, a
-  broken connection) may still have a copy under way in the daemon, so its blocks stay held until
-  then (`DeviceCall`); the daemon starts no copy that cannot end by the deadline.
+  engine's stream never waits for a store. The blocks must not be written again before the daemon
+  copied them: vLLM frees a finished or preempted request's blocks at once (so that resetting its
+  prefix cache, or going to sleep, never waits for a store), and before a step writes blocks it
+  allocated afresh (`fence`: each step's plan names them), the store calls still reading any of them
+  are withdrawn if not yet sent, or else awaited. "Done" means the daemon answered, or the call's
+  deadline (fixed when it is submitted) and CUDA_ANSWER_GRACE_S have passed: a call that failed here
+  after its request went out (a timeout, a broken connection) may still have a copy under way in the
+  daemon, so its blocks stay held until then (`DeviceCall`); the daemon starts no copy that cannot
+  end by the deadline.
 - shm (CPU caches, or a daemon that refused cuda_ipc): the engine copies. Loads pin the blocks, copy
   them out of the mapped pool into the engine's blocks, verify their checksums and release. A GPU
-  cache copies with the daemon's kernel (GpuKV), ordered and delayed like cuda_ipc. A CPU cache's
+  cache copies with the daemon's kernel (GpuKV), ordered and fenced like cuda_ipc. A CPU cache's
   stores copy the just-computed blocks out of the KV cache at the end of the step (so the engine may
   reuse the blocks at once) and reserve, write and commit them on the link thread; pending store
   copies are bounded, and beyond the bound new stores are skipped.
@@ -164,7 +166,6 @@ class BlockTransfers:
     max_pending_store_bytes: int = 512 << 20
     tp_rank: int = 0
     load_delay_s: float = 0.0
-    delay_frees: bool = False  # GPU engines: vLLM keeps finished requests' blocks until finished_stores says so
     pp_rank: int = 0  # pipeline stage: each stage holds other layers, so it keeps blocks of its own
     stats: WorkerStats = field(default_factory=WorkerStats)
     _spec: bytes = b""
@@ -176,8 +177,7 @@ class BlockTransfers:
     _pending_store_bytes: int = 0
     _pending_gpu_stores: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _device_stores: dict[str, list[DeviceCall]] = field(default_factory=dict)  # per request: store calls in flight
-    _finishing: set[str] = field(default_factory=set)  # finished requests whose blocks wait for their stores
+    _gpu_stores: list[DeviceCall] = field(default_factory=list)  # store calls that may still read the engine's blocks
 
     def configure(self, namespace_spec: bytes) -> None:
         """Adopt the namespace the scheduler side computed (the TP ranks share it, each with keys of its
@@ -218,7 +218,7 @@ class BlockTransfers:
         for the link thread then fail at once; each is held at most until its deadline and
         CUDA_ANSWER_GRACE_S). Idempotent."""
         self._asleep = True
-        calls = [call for _, call in self._loads.values()] + [c for held in self._device_stores.values() for c in held]
+        calls = [call for _, call in self._loads.values()] + self._gpu_stores
         while not all(call.settled() for call in calls):
             time.sleep(0.005)
 
@@ -253,7 +253,9 @@ class BlockTransfers:
     # ------------------------------------------------------------------ loads
 
     def start_loads(self, jobs: list[LoadJob]) -> None:
-        """Every job gets a Future, so every waiting request is answered (loaded or failed)."""
+        """Every job gets a Future, so every waiting request is answered (loaded or failed). The loads
+        write blocks vLLM allocated afresh for them: stores still reading those end first (`fence`)."""
+        self.fence({block for job in jobs for block in job.block_ids})
         for job in jobs:
             call = DeviceCall.due_in(self.load_delay_s + self.link.timeout)  # (the test delay comes first)
             try:
@@ -352,9 +354,6 @@ class BlockTransfers:
 
     def save(self, jobs: list[StoreJob]) -> None:
         """Called after the step's forward: store the blocks it completed."""
-        if self.delay_frees:
-            for job in jobs:
-                self._device_stores.setdefault(job.req_id, [])
         block_ids = [b for job in jobs for b in job.block_ids]
         if not block_ids or self._disabled or self.kv is None:
             return
@@ -386,8 +385,8 @@ class BlockTransfers:
         future.add_done_callback(lambda f: self._stored(f, size, len(block_ids)))
 
     def _submit_gpu_store(self, jobs: list[StoreJob], ready: int) -> None:
-        """One store call for the jobs (a step's), after the ring's ready event `ready`, held by each
-        job's request (finished_stores and the preemption fence wait for it)."""
+        """One store call for the jobs (a step's), after the ring's ready event `ready` (the fence
+        waits for it before vLLM writes any of its blocks again)."""
         block_ids = [b for job in jobs for b in job.block_ids]
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         call = DeviceCall.due_in(self.link.timeout)
@@ -395,8 +394,7 @@ class BlockTransfers:
         store = self._while_current(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
         call.future = self.link.submit(store)
         call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
-        for job in jobs:
-            self._device_stores[job.req_id].append(call)
+        self._gpu_stores = [held for held in self._gpu_stores if not held.settled()] + [call]
 
     def _store_gpu(  # noqa: PLR0913
         self, client: KVTierClient, ns: Namespace, hashes: list[bytes], block_ids: list[int], ready: int, call: DeviceCall
@@ -425,7 +423,7 @@ class BlockTransfers:
         return _reserve_write_commit(client, ns, hashes, write)
 
     def _stored(self, future: Future, size: int, blocks: int, gpu_call: bool = False) -> None:
-        if future.cancelled():  # (withdrawn by the preemption fence, which counts its blocks, or past its deadline)
+        if future.cancelled():  # (withdrawn by the fence, which counts its blocks, or past its deadline)
             with self._lock:
                 self._pending_store_bytes -= size
                 self._pending_gpu_stores -= gpu_call
@@ -444,40 +442,32 @@ class BlockTransfers:
         if error is not None:
             log.debug("kvtier store failed: %s", error)
 
-    def finished_stores(self, finished_req_ids: set[str]) -> set[str]:
-        """Of the requests vLLM finished (now or before), those whose blocks no store reads any more
-        (vLLM frees them on this answer: finished_sending)."""
-        self._finishing |= finished_req_ids & self._device_stores.keys()
-        done = {r for r in self._finishing if all(call.settled() for call in self._device_stores[r])}
-        for req_id in done:
-            del self._device_stores[req_id]
-        self._finishing -= done
-        return done
+    def fence(self, fresh_blocks: set[int]) -> None:
+        """vLLM is about to write these blocks, allocated afresh for the step (its forward or its loads
+        write them): store calls that still read any of them (stores of requests finished or
+        preempted since, whose blocks vLLM freed at once) are withdrawn if not yet sent, and the ones
+        under way are awaited until they hold the blocks no more (at the latest their deadline and
+        CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A step's store call
+        carries every request of the step: the jobs of a withdrawn one that read none of these
+        blocks are sent again (after the same ready event)."""
 
-    def fence(self, req_ids: set[str]) -> None:
-        """These requests are preempted and vLLM reuses their blocks next: stores not yet sent are
-        withdrawn, and the ones under way are awaited until they hold the blocks no more (at the latest
-        their deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A
-        step's store call carries every request of the step: one withdrawn while other requests share
-        it is sent again with theirs alone (after the same ready event)."""
-        calls = list({id(call): call for r in req_ids for call in self._device_stores.pop(r, [])}.values())
-        self._finishing -= req_ids
+        def reads_fresh(job: StoreJob) -> bool:
+            return not fresh_blocks.isdisjoint(job.block_ids)
+
+        self._gpu_stores = [call for call in self._gpu_stores if not call.settled()]
         under_way = []
-        for call in calls:
+        for call in [call for call in self._gpu_stores if any(map(reads_fresh, call.store_jobs))]:
             withdrawn_before = call.future.cancelled()  # (past its deadline: it goes for nobody)
             if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
                 under_way.append(call)
                 continue
-            # (a request vLLM already took back, its store given up past its hold, has nothing left to store)
-            sharing = [job for job in call.store_jobs if job.req_id not in req_ids and job.req_id in self._device_stores]
-            others = [] if withdrawn_before else sharing
+            self._gpu_stores = [held for held in self._gpu_stores if held is not call]
+            others = [] if withdrawn_before else [job for job in call.store_jobs if not reads_fresh(job)]
             with self._lock:
                 self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs) - sum(
                     len(job.block_ids) for job in others
                 )
                 self._pending_gpu_stores += bool(others)
-            for req_id in {job.req_id for job in sharing}:
-                self._device_stores[req_id] = [c for c in self._device_stores[req_id] if c is not call]
             if others:
                 self._submit_gpu_store(others, call.ready)
         if not under_way:
