@@ -148,8 +148,12 @@ class FakeEngine:
     def store_and_overwrite(self, block_ids: list[int], seed: int, overwrite_seed: int, fence: bool = True) -> None:
         """Store the blocks, then, as vLLM does once it has freed them (the request finished) and
         allocated them afresh to the next step, write them again at once; the connector fences them
-        first (`fence`: False only to show what it prevents)."""
+        first (`fence`: False only to show what it prevents). The store call is under way by then
+        (as after a step's forward), so the fence waits for it rather than withdrawing it."""
         self.transfers.save([StoreJob("finished", block_ids, block_hashes(seed, len(block_ids)))])
+        sent = self.transfers._gpu_stores[-1].future
+        while not (sent.running() or sent.done()):
+            time.sleep(0.0005)
         if fence:
             self.transfers.fence(set(block_ids))
         self.fill(block_ids, overwrite_seed, busy=False)

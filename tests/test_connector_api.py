@@ -187,8 +187,8 @@ def test_a_gpu_engines_request_is_freed_at_once_and_the_blocks_a_step_writes_afr
     """A GPU engine's request with stores planned is freed as soon as it finishes (vLLM can then
     reset its prefix cache, or sleep, at once: a request holding its blocks for a store made that
     fail, or wait for a step that an idle engine never takes). Each step's plan names the blocks
-    vLLM allocated afresh for its forward (a new request's past its computed tokens, those added to
-    running or resumed ones), which the workers fence from stores still reading them."""
+    vLLM allocated afresh for its forward (a new or resumed request's past its computed tokens, those
+    added to running ones), which the workers fence from stores still reading them."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     address = f"unix://{tmp_path}/absent.sock"
@@ -207,7 +207,12 @@ def test_a_gpu_engines_request_is_freed_at_once_and_the_blocks_a_step_writes_afr
             num_scheduled_tokens={"r": 2 * block},
             kv_connector_block_state=blocks,
             scheduled_new_reqs=[new],
-            scheduled_cached_reqs=SimpleNamespace(new_block_ids=[([6],), None, ([7, 8],)]),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=["running", "idle", "resumed"],
+                new_block_ids=[([6],), None, ([9, 7, 8],)],  # (a resumed request's: all its blocks)
+                num_computed_tokens=[5 * block, 6 * block, block],  # (its first block a prefix-cache hit)
+                resumed_req_ids={"resumed"},
+            ),
         )
         plan = connector.build_connector_meta(step).plan
         assert [job.block_ids for job in plan.stores] == [[4, 5]]

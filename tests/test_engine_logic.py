@@ -920,6 +920,24 @@ def test_a_fence_withdraws_only_the_jobs_reading_fresh_blocks_from_its_steps_sto
     assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2
 
 
+def test_a_fence_sends_nothing_again_into_a_namespace_adopted_since(link, monkeypatch):
+    """A step's store call still queued when the engine adopts a new namespace (vLLM reset its prefix
+    cache: the blocks may hold KV of replaced weights): a fence that withdraws it sends none of its
+    other jobs again, which would put them into the new namespace."""
+    worker, sent, stuck = queued_gpu_stores(link, 10, monkeypatch)
+    hashes = chain_hashes("adopted-since", 4)
+    worker._pending_gpu_stores = 1
+    worker._submit_gpu_store([StoreJob("A", [0, 1], hashes[:2]), StoreJob("B", [2, 3], hashes[2:])], ready=3)
+    new_spec = engine_spec()
+    new_spec.extra["reset"] = "1"
+    worker.configure(new_spec.SerializeToString(deterministic=True))
+    worker.fence({0})
+    stuck.set()
+    wait(lambda: worker._pending_gpu_stores == 0)
+    time.sleep(0.2)
+    assert sent == [] and worker.stats.store_skipped_blocks == 4
+
+
 @contextlib.contextmanager
 def shared_store_behind_a_stuck_call(daemon, monkeypatch, seed: int, timeout: float):
     """queued_gpu_stores on a link of its own whose calls are due in `timeout` seconds, with one

@@ -531,15 +531,16 @@ def drops_last_hit_block(vllm_config) -> bool:
 
 
 def _fresh_blocks(scheduler_output, block_size: int) -> list[int]:
-    """The blocks vLLM allocated afresh for this step's forward: a new request's blocks past its
-    computed tokens (those before are prefix-cache hits, or the blocks a load filled), and the blocks
-    added to scheduled requests (all of a resumed request's blocks)."""
+    """The blocks vLLM allocated afresh for this step's forward: a new or resumed request's blocks
+    past its computed tokens (those before are prefix-cache hits, or the blocks a load filled; a
+    resumed request's new_block_ids are all its blocks), and the blocks added to running requests."""
     fresh: list[int] = []
     for new in scheduler_output.scheduled_new_reqs:
         fresh += new.block_ids[0][new.num_computed_tokens // block_size :]
-    for added in scheduler_output.scheduled_cached_reqs.new_block_ids:
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, added, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
         if added is not None:
-            fresh += added[0]
+            fresh += added[0][computed // block_size :] if req_id in cached.resumed_req_ids else added[0]
     return fresh
 
 

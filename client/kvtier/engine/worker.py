@@ -92,6 +92,7 @@ class DeviceCall:
     future: Future | None = None
     store_jobs: list[StoreJob] = field(default_factory=list)  # a store call's: its step's jobs
     ready: int = 0  # a store call's: the ring's ready event it follows
+    generation: int = 0  # a store call's: the namespace it was planned for (BlockTransfers._generation)
     _held_until_ns: int = 0
     _engine_copies: int = 0  # the engine's own copies into its blocks under way (shm loads on a GPU)
 
@@ -390,7 +391,7 @@ class BlockTransfers:
         block_ids = [b for job in jobs for b in job.block_ids]
         hashes = keyed([h for job in jobs for h in job.hashes], self._key_suffix)
         call = DeviceCall.due_in(self.link.timeout)
-        call.store_jobs, call.ready = jobs, ready
+        call.store_jobs, call.ready, call.generation = jobs, ready, self._generation
         store = self._while_current(lambda client, ns: self._store_gpu(client, ns, hashes, block_ids, ready, call))
         call.future = self.link.submit(store)
         call.future.add_done_callback(lambda f: self._stored(f, 0, len(block_ids), gpu_call=True))
@@ -449,34 +450,47 @@ class BlockTransfers:
         under way are awaited until they hold the blocks no more (at the latest their deadline and
         CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A step's store call
         carries every request of the step: the jobs of a withdrawn one that read none of these
-        blocks are sent again (after the same ready event)."""
+        blocks are sent again (after the same ready event), unless the engine adopted another
+        namespace since the call was planned."""
 
         def reads_fresh(job: StoreJob) -> bool:
             return not fresh_blocks.isdisjoint(job.block_ids)
 
         self._gpu_stores = [call for call in self._gpu_stores if not call.settled()]
-        under_way = []
+        under_way, resend = [], []
         for call in [call for call in self._gpu_stores if any(map(reads_fresh, call.store_jobs))]:
             withdrawn_before = call.future.cancelled()  # (past its deadline: it goes for nobody)
             if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
                 under_way.append(call)
                 continue
             self._gpu_stores = [held for held in self._gpu_stores if held is not call]
-            others = [] if withdrawn_before else [job for job in call.store_jobs if not reads_fresh(job)]
+            current = not withdrawn_before and call.generation == self._generation
+            others = [job for job in call.store_jobs if not reads_fresh(job)] if current else []
             with self._lock:
                 self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs) - sum(
                     len(job.block_ids) for job in others
                 )
-                self._pending_gpu_stores += bool(others)
             if others:
-                self._submit_gpu_store(others, call.ready)
-        if not under_way:
-            return
-        latest_ns = max(call.hold_end_ns for call in under_way)
-        wait_futures([call.future for call in under_way], timeout=max(0.0, (latest_ns - time.monotonic_ns()) / 1e9))
-        held_ns = max(call.held_until_ns() for call in under_way) - time.monotonic_ns()
-        if held_ns > 0:
-            time.sleep(held_ns / 1e9)
+                resend.append((others, call.ready))
+        if under_way:
+            latest_ns = max(call.hold_end_ns for call in under_way)
+            wait_futures([call.future for call in under_way], timeout=max(0.0, (latest_ns - time.monotonic_ns()) / 1e9))
+            held_ns = max(call.held_until_ns() for call in under_way) - time.monotonic_ns()
+            if held_ns > 0:
+                time.sleep(held_ns / 1e9)
+        for jobs, ready in resend:  # (once nothing reads the fresh blocks: a failure here cannot skip that)
+            self._send_again(jobs, ready)
+
+    def _send_again(self, jobs: list[StoreJob], ready: int) -> None:
+        with self._lock:
+            self._pending_gpu_stores += 1
+        try:
+            self._submit_gpu_store(jobs, ready)
+        except Exception:  # noqa: BLE001 (the link closing, say: the blocks are lost, as a skipped store's)
+            with self._lock:
+                self._pending_gpu_stores -= 1
+                self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in jobs)
+            log.debug("kvtier store not sent again", exc_info=True)
 
     def take_stats(self) -> WorkerStats:
         with self._lock:
