@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
-from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierStats, model_identity, namespace_spec  # noqa: E402
+from kvtier.vllm import ConnectorConfig, KVTierConnector, KVTierMetadata, KVTierStats, model_identity, namespace_spec  # noqa: E402
 
 
 def test_every_abstract_hook_is_implemented_with_vllms_signature():
@@ -220,6 +220,57 @@ def test_a_gpu_engines_request_is_freed_at_once_and_the_blocks_a_step_writes_afr
         assert connector.request_finished(request, [4, 5]) == (False, None)
     finally:
         connector.shutdown()
+
+
+def test_handle_preemptions_fences_the_blocks_the_step_writes_afresh(daemon, tmp_path, monkeypatch):
+    """vLLM calls handle_preemptions before each step's forward: the store calls still reading a
+    block the step allocated afresh are withdrawn (sending again the jobs reading none of them)."""
+    from blocks import chain_hashes
+    from test_engine_logic import engine_spec, queued_gpu_stores, wait
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.engine.jobs import StepPlan, StoreJob
+    from kvtier.engine.link import DaemonLink
+
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=10.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    vllm_config, kv_cache_config = engine_config(tmp_path, device="cuda", extra_config={"address": daemon.address})
+    connector = KVTierConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        worker, sent, stuck = queued_gpu_stores(link, 12, monkeypatch)
+        connector._transfers = worker  # (a CPU cache here: the GPU copy itself is recorded)
+        hashes = chain_hashes("step-fence", 2)
+        worker._pending_gpu_stores = 1
+        worker._submit_gpu_store([StoreJob("finished", [3], hashes[:1]), StoreJob("live", [4], hashes[1:])], ready=1)
+        connector.handle_preemptions(KVTierMetadata(StepPlan(namespace_spec=worker._spec, fresh_blocks=[3])))
+        stuck.set()
+        wait(lambda: worker._pending_gpu_stores == 0)
+        assert sent == [([4], 1)]
+    finally:
+        connector.shutdown()
+        link.close()
+
+
+def test_a_gpu_engine_in_sleep_mode_runs_without_the_cache_on_a_vllm_that_does_not_say_when_it_sleeps(daemon, tmp_path):
+    """vLLM 0.32 unmaps a sleeping engine's KV cache without telling connectors (0.33 calls
+    unregister_kv_caches): stores under way would read unmapped memory, so the connector stands aside."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if hasattr(KVConnectorBase_V1, "unregister_kv_caches"):
+        pytest.skip("this vLLM tells connectors when it sleeps")
+    request = SimpleNamespace(
+        request_id="r", block_hashes=[b"a" * 32], num_prompt_tokens=33, num_computed_tokens=0, kv_transfer_params=None
+    )
+    answers = []
+    for sleep_mode in (False, True):
+        vllm_config, kv_cache_config = engine_config(tmp_path, device="cuda", extra_config={"address": daemon.address})
+        vllm_config.model_config.enable_sleep_mode = sleep_mode
+        connector = KVTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        try:
+            answers.append(connector.get_num_new_matched_tokens(request, 0))
+        finally:
+            connector.shutdown()
+    assert answers == [(None, False), (0, False)]  # (looking it up; no lookup at all)
 
 
 def test_speculative_decoding_on_the_targets_hidden_states_drops_the_last_block_of_hits():

@@ -920,6 +920,19 @@ def test_a_fence_withdraws_only_the_jobs_reading_fresh_blocks_from_its_steps_sto
     assert sent == [([2, 3], 7)] and worker.stats.stored_blocks == 2
 
 
+def test_a_load_fences_its_blocks_from_stores_still_reading_them(link, monkeypatch):
+    """A load writes blocks vLLM allocated afresh for it: a store call still reading one of them is
+    withdrawn before the load is sent (its other jobs go again)."""
+    worker, sent, stuck = queued_gpu_stores(link, 11, monkeypatch)
+    hashes = chain_hashes("load-fence", 2)
+    worker._pending_gpu_stores = 1
+    worker._submit_gpu_store([StoreJob("finished", [5], hashes[:1]), StoreJob("live", [6], hashes[1:])], ready=2)
+    worker.start_loads([LoadJob("new", [5], chain_hashes("elsewhere", 1))])
+    stuck.set()
+    wait(lambda: worker._pending_gpu_stores == 0)
+    assert sent == [([6], 2)]
+
+
 def test_a_fence_sends_nothing_again_into_a_namespace_adopted_since(link, monkeypatch):
     """A step's store call still queued when the engine adopts a new namespace (vLLM reset its prefix
     cache: the blocks may hold KV of replaced weights): a fence that withdraws it sends none of its

@@ -290,7 +290,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._vllm_config = vllm_config
         self._link.connect_soon(map_pool=role == KVConnectorRole.WORKER and not _on_gpu(vllm_config))
         self._identity: dict[str, str] = {}
-        if role == KVConnectorRole.SCHEDULER:
+        if _sleeps_unseen(vllm_config):
+            log.error(
+                "kvtier: sleep mode on a GPU engine needs vLLM 0.33 or newer, which tells the connector when the KV "
+                "cache is unmapped (stores under way would read it); the engine runs without the cache"
+            )
+            self._unsupported = True
+        if role == KVConnectorRole.SCHEDULER and not self._unsupported:
             _recompute_failed_loads(self._kv_transfer_config)
             try:  # (reads the model's files: while the engine starts, not in its first request's step)
                 self._identity = model_identity(vllm_config)
@@ -363,7 +369,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._planner is not None and num_external_tokens > 0:
             self._planner.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
-    @guarded(default=lambda: KVTierMetadata(StepPlan()))
+    @guarded(default=lambda: KVTierMetadata(StepPlan(fence_all=True)))  # (fails closed: see StepPlan)
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         planner = self._scheduler_planner()
         if planner is None:
@@ -420,7 +426,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict) -> None:
         try:
             tensors = list(kv_caches.values())
-            if tensors and tensors[0].device.type == "cuda":
+            if self._unsupported:
+                kv = None
+            elif tensors and tensors[0].device.type == "cuda":
                 from kvtier.engine.gpu_kv import GpuKV  # noqa: PLC0415 (CUDA engines only)
 
                 kv = GpuKV(tensors, self._kv_cache_config.num_blocks)
@@ -470,8 +478,9 @@ class KVTierConnector(KVConnectorBase_V1):
         """Called before the step writes any block (0.32 and 0.33): blocks allocated afresh for it may
         have been a finished or preempted request's, still read by its stores; those end first."""
         plan = getattr(kv_connector_metadata, "plan", None)
-        if self._transfers is not None and plan is not None and plan.fresh_blocks:
-            self._transfers.fence(set(plan.fresh_blocks))
+        if self._transfers is not None and plan is not None and (plan.fresh_blocks or plan.fence_all):
+            self._transfers.configure(plan.namespace_spec)  # (a call withdrawn now goes again only into its own)
+            self._transfers.fence(None if plan.fence_all else set(plan.fresh_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
@@ -542,6 +551,13 @@ def _fresh_blocks(scheduler_output, block_size: int) -> list[int]:
         if added is not None:
             fresh += added[0][computed // block_size :] if req_id in cached.resumed_req_ids else added[0]
     return fresh
+
+
+def _sleeps_unseen(vllm_config) -> bool:
+    """A GPU engine in sleep mode on a vLLM (0.32) that does not tell connectors when it unmaps the KV
+    cache (`unregister_kv_caches`)."""
+    sleep_mode = getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False)
+    return _on_gpu(vllm_config) and bool(sleep_mode) and not hasattr(KVConnectorBase_V1, "unregister_kv_caches")
 
 
 def _on_gpu(vllm_config) -> bool:

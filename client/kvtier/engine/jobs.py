@@ -29,5 +29,7 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
     # GPU engines: the blocks vLLM allocated afresh for this step's forward; stores still reading one of
-    # them (a request's finished or preempted since) must end first
+    # them (a request's finished or preempted since) must end first; all stores when `fence_all` (the
+    # plan could not be made: which blocks are fresh is unknown)
     fresh_blocks: list[int] = field(default_factory=list)
+    fence_all: bool = False

@@ -443,9 +443,9 @@ class BlockTransfers:
         if error is not None:
             log.debug("kvtier store failed: %s", error)
 
-    def fence(self, fresh_blocks: set[int]) -> None:
-        """vLLM is about to write these blocks, allocated afresh for the step (its forward or its loads
-        write them): store calls that still read any of them (stores of requests finished or
+    def fence(self, fresh_blocks: set[int] | None) -> None:
+        """vLLM is about to write these blocks (None: any block), allocated afresh for the step (its
+        forward or its loads write them): store calls that still read any of them (stores of requests finished or
         preempted since, whose blocks vLLM freed at once) are withdrawn if not yet sent, and the ones
         under way are awaited until they hold the blocks no more (at the latest their deadline and
         CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A step's store call
@@ -454,17 +454,16 @@ class BlockTransfers:
         namespace since the call was planned."""
 
         def reads_fresh(job: StoreJob) -> bool:
-            return not fresh_blocks.isdisjoint(job.block_ids)
+            return fresh_blocks is None or not fresh_blocks.isdisjoint(job.block_ids)
 
         self._gpu_stores = [call for call in self._gpu_stores if not call.settled()]
         under_way, resend = [], []
         for call in [call for call in self._gpu_stores if any(map(reads_fresh, call.store_jobs))]:
-            withdrawn_before = call.future.cancelled()  # (past its deadline: it goes for nobody)
             if not call.future.cancel():  # (cancel() works for calls still queued: nothing read yet)
                 under_way.append(call)
                 continue
             self._gpu_stores = [held for held in self._gpu_stores if held is not call]
-            current = not withdrawn_before and call.generation == self._generation
+            current = call.generation == self._generation  # (else its jobs would go into another namespace)
             others = [job for job in call.store_jobs if not reads_fresh(job)] if current else []
             with self._lock:
                 self.stats.store_skipped_blocks += sum(len(job.block_ids) for job in call.store_jobs) - sum(
