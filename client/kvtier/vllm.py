@@ -475,7 +475,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @guarded()
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """Called before the step writes any block (0.32 and 0.33): blocks allocated afresh for it may
+        """Called in every step before its forward (0.32 and 0.33): blocks allocated afresh for it may
         have been a finished or preempted request's, still read by its stores; those end first."""
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._transfers is not None and plan is not None and (plan.fresh_blocks or plan.fence_all):
