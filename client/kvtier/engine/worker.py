@@ -447,10 +447,10 @@ class BlockTransfers:
         """vLLM is about to write these blocks (None: any block), allocated afresh for the step (its
         forward or its loads write them): store calls that still read any of them (stores of requests
         finished or preempted since, whose blocks vLLM freed at once) are withdrawn if not yet sent,
-        and the ones under way are awaited until they hold the blocks no more (at the latest their deadline and
-        CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A step's store call
-        carries every request of the step: the jobs of a withdrawn one that read none of these
-        blocks are sent again (after the same ready event), unless the engine adopted another
+        and the ones under way are awaited until they hold the blocks no more (at the latest their
+        deadline and CUDA_ANSWER_GRACE_S; nothing is copied or committed past the deadline). A step's
+        store call carries every request of the step: the jobs of a withdrawn one that read none of
+        these blocks are sent again (after the same ready event), unless the engine adopted another
         namespace since the call was planned."""
 
         def reads_fresh(job: StoreJob) -> bool:
