@@ -237,15 +237,12 @@ class BlockStore:
         go on in `retired`. Returns the blocks deleted."""
         if self.holds_any(ns):
             raise FailedPrecondition(f"namespace {ns.id} is held by a lease or reservation")
-        blocks = list(ns.blocks.values())  # (none pinned or pending: nothing holds them)
-        self.policy.remove_many(list(map(_slot_of, blocks)), forget=True)
-        ns.blocks.clear()
-        self._free_many(blocks)
+        deleted = self.clear(ns)  # (none pinned or pending: nothing holds them)
         with self.census:
             del self.namespaces[ns.id]
             self.retired.add(ns.counters)
             self.retired_bytes.add(ns.counters, ns.block_bytes)
-        return len(blocks)
+        return deleted
 
     def namespace(self, namespace_id: str) -> Namespace:
         ns = self.namespaces.get(namespace_id)
