@@ -374,6 +374,7 @@ class KVTierConnector(KVConnectorBase_V1):
         planner = self._scheduler_planner()
         if planner is None:
             return KVTierMetadata(StepPlan())
+        fresh = _fresh_blocks(scheduler_output, self._block_size) if _on_gpu(self._vllm_config) else None
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         scheduled = []
         for req_id, tokens in scheduler_output.num_scheduled_tokens.items():
@@ -385,7 +386,6 @@ class KVTierConnector(KVConnectorBase_V1):
             else:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
-        fresh = _fresh_blocks(scheduler_output, self._block_size) if _on_gpu(self._vllm_config) else None
         return KVTierMetadata(planner.plan_step(scheduled, fresh))
 
     @guarded(default=False)

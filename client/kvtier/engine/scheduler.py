@@ -157,8 +157,7 @@ class PrefixPlanner:
         engines): the blocks vLLM allocated afresh for the step's forward (the workers fence them
         before it, and a load's blocks before the load)."""
         self._flush_lookups()
-        plan = StepPlan(namespace_spec=self.namespace_spec, loads=self._loads, fresh_blocks=list(fresh_blocks or ()))
-        self._loads = []
+        plan = StepPlan(namespace_spec=self.namespace_spec, fresh_blocks=list(fresh_blocks or ()))
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)
             if state is None:
@@ -168,6 +167,7 @@ class PrefixPlanner:
                 plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
                 self.stats.store_blocks_planned += full - state.stored_upto
                 state.stored_upto = full
+        plan.loads, self._loads = self._loads, []  # (last: should anything before raise, they go next step)
         return plan
 
     def renamespace(self, namespace_spec: bytes) -> None:
