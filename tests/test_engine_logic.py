@@ -245,8 +245,8 @@ def test_planner_asks_again_then_promises_only_what_is_cached(link, daemon):
 
     assert planner.matched_tokens("r1", hashes, prompt_tokens, 0, None) == (4 * BLOCK_TOKENS, True)  # vLLM's last ask
     planner.after_alloc("r1", list(range(10, 16)), 4 * BLOCK_TOKENS)
-    with pytest.raises(TypeError):  # a plan that fails (the connector's hook then plans nothing) keeps its loads
-        planner.plan_step([("r1", prompt_tokens, None, list(range(10, 16)))])
+    with pytest.raises(TypeError):  # a plan that fails (the hook then plans nothing) loses neither loads nor stores
+        planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16))), ("r2", prompt_tokens, None, [])])
     plan = planner.plan_step([("r1", prompt_tokens, hashes, list(range(10, 16)))])
     assert [(j.block_ids, j.hashes) for j in plan.loads] == [([10, 11, 12, 13], hashes[:4])]
     assert [(j.block_ids, j.hashes) for j in plan.stores] == [([14, 15], hashes[4:6])]  # loaded blocks are not stored again

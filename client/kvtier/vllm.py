@@ -479,8 +479,10 @@ class KVTierConnector(KVConnectorBase_V1):
         have been a finished or preempted request's, still read by its stores; those end first."""
         plan = getattr(kv_connector_metadata, "plan", None)
         if self._transfers is not None and plan is not None and (plan.fresh_blocks or plan.fence_all):
-            self._transfers.configure(plan.namespace_spec)  # (a call withdrawn now goes again only into its own)
-            self._transfers.fence(None if plan.fence_all else set(plan.fresh_blocks))
+            try:
+                self._transfers.configure(plan.namespace_spec)  # (a call withdrawn now goes again only into its own)
+            finally:
+                self._transfers.fence(None if plan.fence_all else set(plan.fresh_blocks))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous

@@ -258,8 +258,8 @@ def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
     for spec in fs.open():
         try:
             store.register(spec)
-        except KVTierError as exc:
-            log.warning("fs tier namespace not served", extra={"model": spec.model_id, "reason": str(exc)})
+        except KVTierError as exc:  # (beyond --max-namespaces: an engine registering it later gets it back)
+            log.info("fs tier namespace not registered at start", extra={"model": spec.model_id, "reason": str(exc)})
     store.on_evict = fs.on_evict
     return fs
 

@@ -158,6 +158,7 @@ class PrefixPlanner:
         before it, and a load's blocks before the load)."""
         self._flush_lookups()
         plan = StepPlan(namespace_spec=self.namespace_spec, fresh_blocks=list(fresh_blocks or ()))
+        planned: list[tuple[_Request, int]] = []
         for req_id, computed, hashes, block_ids in scheduled:
             state = self._requests.get(req_id)
             if state is None:
@@ -165,9 +166,12 @@ class PrefixPlanner:
             full = min(computed // self.block_size, len(hashes), len(block_ids), state.store_limit)
             if full > state.stored_upto:
                 plan.stores.append(StoreJob(req_id, block_ids[state.stored_upto : full], list(hashes[state.stored_upto : full])))
-                self.stats.store_blocks_planned += full - state.stored_upto
-                state.stored_upto = full
-        plan.loads, self._loads = self._loads, []  # (last: should anything before raise, they go next step)
+                planned.append((state, full))
+        # (nothing changes before here: should anything raise, the step plans nothing and loses nothing)
+        for state, full in planned:
+            self.stats.store_blocks_planned += full - state.stored_upto
+            state.stored_upto = full
+        plan.loads, self._loads = self._loads, []
         return plan
 
     def renamespace(self, namespace_spec: bytes) -> None:
