@@ -81,6 +81,7 @@ class KVTierClient:
         """Open a session (a client already in one keeps it)."""
         if self.connected:
             return self
+        self.close()  # (an ended session's stream thread, channel and data socket go first)
         self._channel = grpc.insecure_channel(self.address, options=channel_options(self.timeout or 20.0))
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._admin = pb_grpc.KVTierAdminStub(self._channel)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -94,6 +95,8 @@ class DataSocket:
             connection.sendall(b"".join((REQUEST_HEADER.pack(len(payload), len(name)), name, payload)))
             sent = True
             length, status = RESPONSE_HEADER.unpack(_receive(connection, RESPONSE_HEADER.size, deadline))
+            if self.max_message_bytes and length > self.max_message_bytes:  # (not allocated: a garbled header)
+                raise ConnectionResetError(f"a {length}-byte answer exceeds the limit of {self.max_message_bytes} bytes")
             body = _receive(connection, length, deadline)
         except OSError as exc:  # a timeout included: the connection's framing is lost, so drop it
             if connection is not None:
@@ -106,7 +109,10 @@ class DataSocket:
             raise
         if status:
             raise DataSocketError(STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
-        return MESSAGES[method][1].FromString(body)
+        try:
+            return MESSAGES[method][1].FromString(body)
+        except DecodeError as exc:
+            raise DataSocketError(grpc.StatusCode.INTERNAL, f"undecodable {method} answer: {exc}") from None
 
     def close(self) -> None:
         with self._lock:

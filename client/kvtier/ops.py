@@ -105,6 +105,9 @@ def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCach
         session_id=state.session_id, spec=spec, cuda_kv=cuda_kv, monotonic_ns=time.monotonic_ns(), replaces=replaces
     )
     response = yield "Register", request
+    page_size = state.pool_info.page_size if state.pool_info is not None else 0
+    if response.block_bytes != spec.block_bytes or (page_size and response.pages_per_block != -(-spec.block_bytes // page_size)):
+        raise ValueError(f"kvtierd answered Register with {response.block_bytes}-byte blocks of {response.pages_per_block} pages")
     return Namespace(
         response.namespace,
         spec,
@@ -115,17 +118,35 @@ def register(state: SessionState, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCach
     )
 
 
-def _lookup_result(response: pb.LookupResponse, ns: Namespace) -> LookupResult:
+def _lookup_result(state: SessionState, response: pb.LookupResponse, ns: Namespace) -> LookupResult:
     if not response.lease_id:
         return LookupResult(response.hit_count)
-    page_ids = decode_page_ids(response.page_ids, ns.pages_per_block)
-    return LookupResult(response.hit_count, response.lease_id, page_ids, checksum.decode(response.checksums))
+    page_ids = _page_rows(state, response.page_ids, ns, response.hit_count)
+    return LookupResult(response.hit_count, response.lease_id, page_ids, _block_checksums(response.checksums, response.hit_count))
+
+
+def _page_rows(state: SessionState, page_ids: bytes, ns: Namespace, blocks: int) -> np.ndarray:
+    """An answer's page ids, a row per block, every one within the pool (ValueError otherwise: an
+    answer not to act on)."""
+    rows = decode_page_ids(page_ids, ns.pages_per_block)
+    info = state.pool_info
+    pages = info.size_bytes // info.page_size if info is not None and info.page_size else 0
+    if len(rows) != blocks or (rows.size and pages and int(rows.max()) >= pages):
+        raise ValueError(f"kvtierd answered {len(rows)} blocks' pages (up to page {rows.max(initial=0)}) for {blocks} blocks")
+    return rows
+
+
+def _block_checksums(data: bytes, blocks: int) -> np.ndarray:
+    sums = checksum.decode(data)
+    if len(sums) != blocks:
+        raise ValueError(f"kvtierd answered {len(sums)} checksums for {blocks} blocks")
+    return sums
 
 
 def lookup(state: SessionState, ns: Namespace, hashes, pin: bool = False) -> Op:
     request = pb.LookupRequest(session_id=state.session_id, namespace=ns.id, hashes=join_hashes(hashes), pin=pin)
     response = yield "Lookup", request
-    return _lookup_result(response, ns)
+    return _lookup_result(state, response, ns)
 
 
 def lookup_batch(state: SessionState, ns: Namespace, queries: Sequence[Sequence[bytes] | bytes], pin: bool = False) -> Op:
@@ -152,7 +173,7 @@ def lookup_batch(state: SessionState, ns: Namespace, queries: Sequence[Sequence[
     for batch in batches:
         request = pb.LookupBatchRequest(session_id=state.session_id, namespace=ns.id, queries=batch, pin=pin)
         response = yield "LookupBatch", request
-        results.extend(_lookup_result(r, ns) for r in response.results)
+        results.extend(_lookup_result(state, r, ns) for r in response.results)
     return results
 
 
@@ -196,10 +217,11 @@ def _load(state: SessionState, ns: Namespace, hashes: bytes, lease_id: int, tran
         return np.empty((0, ns.block_bytes), dtype=np.uint8)
     else:
         try:
-            blocks = state.pool().view.read_blocks(decode_page_ids(response.page_ids, ns.pages_per_block), ns.block_bytes)
+            pages = _page_rows(state, response.page_ids, ns, response.block_count)
+            blocks = state.pool().view.read_blocks(pages, ns.block_bytes)
         finally:
             yield "Release", pb.ReleaseRequest(session_id=state.session_id, lease_id=response.lease_id)
-    return blocks[: verified_prefix(blocks, checksum.decode(response.checksums))]
+    return blocks[: verified_prefix(blocks, _block_checksums(response.checksums, response.block_count))]
 
 
 def _load_cuda(  # noqa: PLR0913

@@ -93,8 +93,8 @@ class DaemonLink:
         return self._executor.submit(self._run, call)
 
     def _run(self, call: Callable[[KVTierClient, Namespace], T]) -> T:
-        client, namespace = self._connected()
         try:
+            client, namespace = self._connected()
             return call(client, namespace)
         except grpc.RpcError as exc:
             code = exc.code()
