@@ -165,10 +165,11 @@ class DaemonLink:
                 if cuda_kv is not None and not namespace.cuda_registration:
                     log.warning("kvtierd refused cuda_ipc (%s); the engine copies through shared memory", namespace.cuda_refused)
                     self._executor.submit(_map_pool_for_gpu_copies, client)
-            except grpc.RpcError as exc:
-                self._drop(f"register failed: {exc.code().name}: {exc.details()}")
+            except (grpc.RpcError, ValueError) as exc:  # (ValueError: an answer not to act on)
+                reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+                self._drop(f"register failed: {reason}")
                 self._down_until = time.monotonic() + self.reconnect_interval  # (not a new session per call)
-                raise DaemonUnavailable(exc.details()) from None
+                raise DaemonUnavailable(reason) from None
             with self._lock:
                 self._registered = namespace.id
                 if self._spec == spec:
