@@ -183,10 +183,17 @@ def test_runs_that_share_no_byte_pass_the_checks(start_daemon, runs):
         assert not ns.cuda_registration and "not registered with CUDA" in ns.cuda_refused, ns.cuda_refused
 
 
-@pytest.mark.parametrize("refusal", ["no such registration", "no such namespace"])
-def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_daemon, refusal):
-    """A cuda_ipc Load releases the lease it names whether it succeeds or fails: refused before any
-    copy (no such registration, say), its blocks are not left pinned until the lease's TTL."""
+@pytest.mark.parametrize(
+    "transport,refusal",
+    [
+        (pb.TRANSPORT_CUDA_IPC, "no such registration"),
+        (pb.TRANSPORT_CUDA_IPC, "no such namespace"),
+        (pb.TRANSPORT_INLINE, "no such namespace"),
+    ],
+)
+def test_a_load_refused_before_its_copy_releases_the_lease_it_names(start_daemon, transport, refusal):
+    """A cuda_ipc or inline Load releases the lease it names whether it succeeds or fails: refused
+    before any copy (no such registration, say), its blocks are not left pinned until the lease's TTL."""
     daemon = start_daemon("--pool-size", "16MiB", "--cuda-register", "false")
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=4096))
@@ -198,7 +205,7 @@ def test_a_cuda_load_refused_before_its_copy_releases_the_lease_it_names(start_d
             session_id=client.state.session_id,
             namespace="no-such-namespace" if refusal == "no such namespace" else ns.id,
             lease_id=lease,
-            transport=pb.TRANSPORT_CUDA_IPC,
+            transport=transport,
             cuda_ipc=pb.CudaIpcTarget(registration_id="no-such-registration", device_block_ids=[0, 1, 2, 3]),
         )
         with pytest.raises(grpc.RpcError) as refused:

@@ -39,6 +39,7 @@ log = logging.getLogger("kvtierd.data")
 
 # Room left in a message for everything but block bytes.
 _MESSAGE_OVERHEAD = 64 << 10
+_RELEASING = (pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC)  # loads that end the lease they name, refused or not
 MAX_NAME_CHARS = 256  # Hello's engine_name and hostname (every session's go into ListEngines answers)
 
 
@@ -288,7 +289,7 @@ class DataService(pb_grpc.KVTierServicer):
                 if lease.namespace is not ns:
                     raise InvalidArgument(f"lease {lease.id} is for namespace {lease.namespace.id}, not {ns.id}")
         except KVTierError:
-            if request.lease_id and request.transport == pb.TRANSPORT_CUDA_IPC:  # (its lease goes with the call, refused or not)
+            if request.lease_id and request.transport in _RELEASING:  # (its lease goes with the call, refused or not)
                 with contextlib.suppress(KVTierError):  # (unknown, or another session's: not ours to end)
                     self.store.release(request.session_id, request.lease_id)
             raise
