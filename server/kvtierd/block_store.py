@@ -183,10 +183,10 @@ class BlockStore:
         self._clock = clock
         self.namespaces: dict[str, Namespace] = {}
         self.retired = TierCounters()  # of the namespaces retired so far (counters only go up)
+        self.retired_bytes = TierCounters()  # the same in bytes (blocks times their namespace's block size)
         # Held while a retirement moves counters into `retired` and while a metrics scrape (another
         # thread) adds them up, which would otherwise see them in both places or in neither.
         self.census = threading.Lock()
-        self.retired_bytes = TierCounters()  # the same in bytes (blocks times their namespace's block size)
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self._ended: OrderedDict[int, str] = OrderedDict()

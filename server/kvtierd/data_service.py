@@ -39,7 +39,8 @@ log = logging.getLogger("kvtierd.data")
 
 # Room left in a message for everything but block bytes.
 _MESSAGE_OVERHEAD = 64 << 10
-_RELEASING = (pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC)  # loads that end the lease they name, refused or not
+# Loads that end the lease they name, refused or not (a shm load's lease is the client's to release).
+_RELEASING = (pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC)
 MAX_NAME_CHARS = 256  # Hello's engine_name and hostname (every session's go into ListEngines answers)
 
 
