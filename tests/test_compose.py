@@ -36,13 +36,14 @@ def test_engines_share_the_daemon_socket_and_pool():
     for name in gpu + cpu:
         engine = services[name]
         daemon = daemons[engine["profiles"][0]]
-        assert engine["ipc"] == f"service:{daemon}"  # the pool file in /dev/shm and CUDA IPC are visible
+        assert engine["ipc"] == f"service:{daemon}"  # the pool file and torch's counts in /dev/shm are visible
         assert "kvtierd-run:/run/kvtierd" in engine["volumes"]
         config = json.loads(engine["command"][engine["command"].index("--kv-transfer-config") + 1])
         assert config["kv_connector"] == "KVTierConnector" and config["kv_connector_module_path"] == "kvtier.vllm"
         assert config["kv_load_failure_policy"] == "recompute"
         assert config["kv_connector_extra_config"]["address"] == "unix:///run/kvtierd/kvtierd.sock"
         assert engine["depends_on"][daemon]["condition"] == "service_healthy"
+    assert all(services[name]["pid"] == "service:kvtierd-gpu" for name in gpu)  # CUDA IPC: not sibling PID namespaces
     devices = [services[name]["deploy"]["resources"]["reservations"]["devices"][0] for name in gpu]
     assert all(d["capabilities"] == ["gpu"] and "count" not in d for d in devices)
     assert len({d["device_ids"][0] for d in devices}) == 2  # a GPU each by default (count: 1 gives both GPU 0)

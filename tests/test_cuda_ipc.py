@@ -79,6 +79,47 @@ def test_cuda_ipc_is_refused_to_an_engine_whose_clock_is_not_the_daemons(start_d
         assert client.lookup(ns, [b"h" * 32]).hit_count == 0  # the namespace works (shm transport)
 
 
+def _can_unshare_pid() -> bool:
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+IN_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child=SIGTERM", "--mount-proc")  # (of its own)
+
+
+@gpu
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs PID namespaces (unshare --pid: root)")
+@pytest.mark.parametrize("daemon_namespace", ["the host's", "a sibling of the engine's"])
+def test_cuda_ipc_needs_pid_namespaces_one_inside_the_other(daemon_namespace):
+    """The engine in a PID namespace of its own (a container or pod). CUDA opens its IPC handles for a
+    daemon in the host's PID namespace, which the engine's is inside (Kubernetes: hostPID for the
+    daemon), but not for one in a sibling namespace (each pod or container its own): CUDA answers
+    `invalid device context`, the daemon refuses cuda_ipc with the reason, and the engine copies
+    through shared memory itself. Byte-exact either way."""
+    sibling = daemon_namespace == "a sibling of the engine's"
+    daemon = DaemonProcess(new_daemon_dir(), ["--pool-size", "128MiB"], prefix=list(IN_PID_NAMESPACE) if sibling else [])
+    steps = [
+        {"fill": list(range(16)), "seed": 4},
+        {"store": list(range(16)), "seed": 4},
+        {"load": list(range(32, 48)), "seed": 4},
+        {"check": list(range(32, 48)), "seed": 4},
+    ]
+    try:
+        daemon.start()
+        out = results(engine(daemon.address, steps, prefix=IN_PID_NAMESPACE))
+        assert out[1]["stored_blocks"] == 16 and out[2]["loaded"] and out[3]["matches"]
+        assert out[1]["cuda_ipc"] == out[2]["cuda_ipc"] == (not sibling)
+        refused = [line for line in daemon.log().splitlines() if "cuda_ipc refused" in line]
+        assert len(refused) == sibling, refused
+        if sibling:
+            assert "invalid device context" in refused[0] and "in one PID namespace or one inside the other" in refused[0]
+    finally:
+        daemon.stop(signal.SIGKILL if sibling else signal.SIGTERM)  # (unshare ignores SIGTERM; dying, it sends it on)
+        deadline = time.monotonic() + 15
+        while daemon.socket.exists() and time.monotonic() < deadline:  # (the daemon ends after unshare)
+            time.sleep(0.05)
+        remove_daemon_dir(daemon.directory)
+
+
 def test_cuda_ipc_is_refused_without_the_engines_clock(start_daemon):
     daemon = start_daemon("--pool-size", "16MiB")
     with KVTierClient(daemon.address, engine_name="gpu-engine") as client:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kvtier.sizes import parse_size
+from kvtierd.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
@@ -71,10 +72,14 @@ def test_engines_reach_the_daemon_where_it_serves():
         assert daemon_mounts[path] == engine_mounts[path] == path
     assert daemon_mounts[str(Path(config["fs-path"]).parent)] == str(Path(config["fs-path"]).parent)
 
-    # one user and the host's IPC namespace: CUDA IPC opens handles only between processes of one user
-    for pod in (daemon_pod, engine_pod):
+    # CUDA IPC opens handles only between processes of one user, in PID namespaces one inside the other
+    # (two pods' own are siblings: the daemon takes the host's); torch's counts are in the host's /dev/shm
+    assert daemon_pod["spec"]["hostPID"] is True
+    for pod, container in ((daemon_pod, daemon), (engine_pod, engine)):
         assert pod["spec"]["hostIPC"] is True
         assert (pod["spec"]["securityContext"]["runAsUser"], pod["spec"]["securityContext"]["runAsGroup"]) == (1000, 1000)
+        assert "USER" in {variable["name"] for variable in container["env"]}  # (uid 1000 has no account)
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in daemon_pod["spec"]["tolerations"]
     assert config["socket-mode"] == config["shm-mode"] == "0660"  # (the group's engines may connect and map the pool)
     directories = daemon_pod["spec"]["initContainers"][0]
     assert directories["command"][:8] == ["install", "-d", "-o", "1000", "-g", "1000", "-m", "0750"]
@@ -98,7 +103,7 @@ def test_engines_reach_the_daemon_where_it_serves():
     # the pool's pages count against the daemon's pod
     memory = _bytes(daemon["resources"]["limits"]["memory"])
     assert memory == _bytes(daemon["resources"]["requests"]["memory"])
-    assert memory >= parse_size(config["pool-size"]) + parse_size(config["fs-queue-size"]) + (2 << 30)
+    assert memory >= parse_size(config["pool-size"]) + parse_size(config["fs-queue-size"]) + (4 << 30)
 
 
 def test_the_images_are_the_ones_the_dockerfiles_build():
@@ -118,19 +123,28 @@ def test_the_images_are_the_ones_the_dockerfiles_build():
         assert str(config[key]) == value, key
 
 
+# What a test daemon takes from its flags instead of the ConfigMap's file (flags win): the node's paths
+# and sizes, and loopback metrics on a free port.
+_LOCAL = ("socket", "shm-dir", "pool-size", "fs-path", "fs-size", "fs-queue-size", "metrics-host", "metrics-port")
+
+
 @pytest.fixture
 def k8s_daemon(fs_daemons, tmp_path):
-    """The real daemon on the ConfigMap's file: its own socket, pool, small sizes and loopback metrics
-    given as flags, which win over the file."""
+    """The real daemon on the ConfigMap's file, with the _LOCAL options given as flags."""
     toml = tmp_path / "kvtierd.toml"
     toml.write_text(_resources()["ConfigMap", "kvtierd-config"]["data"]["kvtierd.toml"])
     return fs_daemons("--config", str(toml), "--metrics-host", "127.0.0.1")
 
 
-def test_the_daemon_runs_on_the_kubernetes_configuration(k8s_daemon):
-    info = k8s_daemon.admin("GetInfo")
-    assert info.config["socket_mode"] == info.config["shm_mode"] == "0o660"
-    assert info.config["log_format"] == "json" and info.config["fs_path"]
+def test_the_daemon_runs_on_the_kubernetes_configuration(k8s_daemon, tmp_path):
+    config = _config()
+    assert set(_LOCAL) <= set(config)  # (the DaemonSet's mounts and memory follow these)
+    toml = tmp_path / "kvtierd.toml"
+    toml.write_text(_resources()["ConfigMap", "kvtierd-config"]["data"]["kvtierd.toml"])
+    wanted = load_config(["--config", str(toml)], environ={}).as_strings()
+    served = k8s_daemon.admin("GetInfo").config
+    taken = {key.replace("-", "_") for key in config} - {key.replace("-", "_") for key in _LOCAL}
+    assert taken and {key: served[key] for key in taken} == {key: wanted[key] for key in taken}
     assert json.loads(k8s_daemon.log().splitlines()[-1])  # (json lines, as the ConfigMap asks)
 
 
@@ -140,6 +154,10 @@ def _exported_series(metrics_text: str) -> set[str]:
     for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", metrics_text, re.M):
         names |= {f"{family}_bucket", f"{family}_sum", f"{family}_count"} if kind == "histogram" else {family}
     return names
+
+
+def _family(series: str) -> str:
+    return re.sub(r"_(bucket|sum|count)$", "", series)
 
 
 def _dashboard_exprs() -> list[str]:
@@ -153,10 +171,29 @@ def test_the_dashboard_charts_every_metric_the_daemon_exports(k8s_daemon):
     exported = {name for name in _exported_series(metrics) if name.startswith("kvtierd_") and not name.endswith("_created")}
     charted = {name for expr in _dashboard_exprs() for name in re.findall(r"\bkvtierd_[a-z_]+", expr)}
     assert charted <= exported, charted - exported  # (a renamed metric leaves an empty panel)
-    families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in exported}
-    shown = {re.sub(r"_(bucket|sum|count)$", "", name) for name in charted}
+    families, shown = {_family(name) for name in exported}, {_family(name) for name in charted}
     assert families == shown, families - shown  # (a new metric gets a panel)
     assert "kvtierd_fs_queue_bytes" in exported and "kvtierd_cuda_copy_seconds_bucket" in exported
+
+
+def _documented_labels() -> dict[str, set[str]]:
+    """metric -> its label names, from the tables of docs/metrics.md."""
+    rows = re.findall(r"^\| `(kvtierd_\w+)` \| \w+ \| ([^|]*) \|", (REPO / "docs" / "metrics.md").read_text(), re.M)
+    return {name: set(re.findall(r"`(\w+)`", re.sub(r"\(.*?\)", "", labels))) for name, labels in rows}
+
+
+def test_the_dashboard_asks_for_labels_the_metrics_have():
+    documented = _documented_labels()
+    for expr in _dashboard_exprs():
+        families = {_family(name) for name in re.findall(r"\bkvtierd_[a-z_]+", expr)}
+        assert families <= set(documented), families - set(documented)
+        for name, selector in re.findall(r"\b(kvtierd_[a-z_]+)(\{[^}]*\})", expr):
+            matchers = dict(re.findall(r'(\w+)=~?"([^"]*)"', selector))
+            assert set(matchers) - {"instance"} <= documented[_family(name)], (name, matchers)
+            assert matchers.get("tier", "ram") in {"ram", "fs"}, expr
+        labels = set().union(*(documented[family] for family in families))
+        for grouping in re.findall(r"by \(([^)]*)\)", expr):
+            assert {label.strip() for label in grouping.split(",")} - {"le"} <= labels, (grouping, expr)
 
 
 def test_every_dashboard_query_follows_the_daemon_picker():

@@ -530,7 +530,8 @@ def _open_cache(torch, device_index: int, cache: pb.CudaKVCache) -> tuple[list, 
             ready = [torch.cuda.Event.from_ipc_handle(device_index, handle) for handle in cache.ready_events]
         except RuntimeError as exc:
             raise FailedPrecondition(
-                f"cannot open the engine's CUDA IPC handles (CUDA opens them only between processes of one user): {exc}"
+                "cannot open the engine's CUDA IPC handles (CUDA opens them only between processes of one user, "
+                f"in one PID namespace or one inside the other, and torch's counts are files in its /dev/shm): {exc}"
             ) from None
         for index, (storage, allocation) in enumerate(zip(storages, cache.allocations, strict=True)):
             base, size = _allocation_range(storage.data_ptr())
