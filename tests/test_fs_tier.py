@@ -97,6 +97,24 @@ def test_pinned_lookups_promote_in_parallel_and_pin_the_whole_prefix(fs_daemons)
         assert daemon.admin("GetStats").pinned_blocks == 0
 
 
+def test_a_pinned_lookup_promoting_blocks_keeps_its_own_prefix_in_the_pool(fs_daemons):
+    """The pool holds a prefix's last block, the disk its first ones: making room for those, the
+    promotion evicts other blocks, not the prefix's own (it then pinned one block fewer than found)."""
+    daemon = fs_daemons()  # (a pool of four 1 MiB blocks)
+    block = 1 << 20
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=block))
+        prefix, others = chain_hashes("own-p", 4), chain_hashes("own-o", 3)
+        client.store(ns, prefix, contents(prefix, block))
+        client.store(ns, others, contents(others, block))  # the prefix's first three go to disk
+        wait_on_disk(daemon, 3)
+        assert client.lookup(ns, prefix).hit_count == 4  # the last one is the pool's least recently used
+        pinned = client.lookup(ns, prefix, pin=True)
+        assert pinned.hit_count == 4
+        assert np.array_equal(client.load(ns, lease_id=pinned.lease_id, transport="inline"), contents(prefix, block))
+        assert daemon.admin("GetStats").pinned_blocks == 0
+
+
 def contents_checksums(hashes: list[bytes]) -> np.ndarray:
     from kvtier import checksum
 

@@ -305,6 +305,18 @@ class BlockStore:
         finally:
             hold.copies -= 1
 
+    @contextlib.contextmanager
+    def held(self, ns: Namespace, hashes: list[bytes]) -> Iterator[None]:
+        """Keep the committed blocks among `hashes` from eviction meanwhile: a prefix's blocks in the
+        pool while its blocks on disk are promoted, whose room would otherwise be made by evicting them."""
+        blocks = [block for block in map(ns.blocks.get, dict.fromkeys(hashes)) if block is not None]
+        slots = np.fromiter(map(_slot_of, blocks), dtype=np.int64, count=len(blocks))
+        self._pin(slots, ns.pages_per_block)
+        try:
+            yield
+        finally:
+            self._unpin(slots, ns.pages_per_block)
+
     def release(self, session_id: str, lease_id: int) -> None:
         self._end_lease(self.lease(session_id, lease_id))
 

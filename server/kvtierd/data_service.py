@@ -244,7 +244,8 @@ class DataService(pb_grpc.KVTierServicer):
         if not pin or not from_disk:
             return hit + more, lease
         try:
-            await self.fs.promote(ns, from_disk)
+            with self.store.held(ns, blocks[hit : hit + more]):  # (the prefix's blocks after a pool miss)
+                await self.fs.promote(ns, from_disk)
             self.sessions.get(session_id)  # it may have ended meanwhile (its holds were let go then)
         except BaseException:  # (the caller's deadline, or its session gone): the pool part is let go now
             if lease is not None:
