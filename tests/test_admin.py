@@ -184,6 +184,41 @@ def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_blocks_page_shows_each_block_its_own_figures_when_its_slot_was_reused_meanwhile(monkeypatch):
+    """The blocks listed are evicted while the page is ranked on its thread, and new blocks take their
+    slots and are pinned and hit: the page shows the listed blocks' figures as they were listed, not
+    those of the blocks now in their slots."""
+    store = BlockStore(num_pages=8, page_size=4096)
+    ns = store.register(spec(block_bytes=4096))
+    old, new = chain_hashes("old", 8), chain_hashes("new", 8)
+    store.commit("s", store.reserve("s", ns, old).reservation.id)
+    sessions = SessionRegistry()
+    info = pb.GetInfoResponse(limits=pb.Limits(max_message_bytes=64 << 20))
+    service = AdminService(store, None, sessions, Metrics(store, sessions), info)
+    ranking, gate, real_argsort = threading.Event(), threading.Event(), np.argsort
+
+    def held_argsort(*args, **kwargs):
+        ranking.set()
+        gate.wait(10)
+        return real_argsort(*args, **kwargs)
+
+    monkeypatch.setattr(admin_service.np, "argsort", held_argsort)
+
+    async def main() -> pb.ListBlocksResponse:
+        listing = asyncio.ensure_future(AdminService.ListBlocks.__wrapped__(service, pb.ListBlocksRequest(page_size=8), None))
+        while not ranking.is_set():
+            await asyncio.sleep(0.001)
+        store.commit("s", store.reserve("s", ns, new).reservation.id)  # (evicts every old block)
+        for _ in range(2):
+            assert store.lookup("s", ns, new, pin=True)[0] == 8
+        gate.set()
+        return await asyncio.wait_for(listing, timeout=10)
+
+    page = asyncio.run(main())
+    assert {block.hash for block in page.blocks} == set(old) and not any(h in ns.blocks for h in old)
+    assert [(block.pins, block.hits) for block in page.blocks] == [(0, 0)] * 8
+
+
 def test_a_blocks_page_over_the_message_limit_is_refused_and_kvtierctl_refuses_a_limit_below_one(start_daemon):
     """ListBlocks pages of up to 10000 blocks with 64-byte hashes run past a 1 MiB message limit: the
     daemon refuses such a page (RESOURCE_EXHAUSTED, logged) instead of gRPC failing to send it. And

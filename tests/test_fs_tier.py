@@ -570,6 +570,37 @@ def test_admin_and_metrics_across_tiers(fs_daemons):
         assert fs_stats(daemon).blocks == 0
 
 
+def test_blocks_on_disk_of_a_retired_namespace_keep_their_size_and_bytes(fs_daemons):
+    daemon = fs_daemons("--max-namespaces", "1", "--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(model_id="retired", block_bytes=BLOCK))
+        hashes = chain_hashes("retired", 4)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+        wait_on_disk(daemon, 4)
+    with KVTierClient(daemon.address) as client:
+        client.register(spec(model_id="newer", block_bytes=BLOCK))  # (retires the first)
+    assert "namespace retired" in daemon.log()
+    assert fs_stats(daemon).bytes == 4 * BLOCK  # (blocks x block_bytes, as before the retirement)
+    listed = daemon.admin("ListBlocks", tier="fs").blocks
+    assert sorted(b.hash for b in listed) == sorted(hashes) and {b.size_bytes for b in listed} == {BLOCK}
+
+
+def test_inspecting_a_block_on_disk_after_a_restart_reads_its_creation_time(fs_daemons):
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("created", 2)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+    wait_on_disk(daemon, 2)
+    created = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[0], tier="fs").block.created_at
+    assert created > 0
+    daemon.stop()
+    daemon = fs_daemons(directory=daemon.directory)
+    assert daemon.admin("ListBlocks", tier="fs").blocks[0].created_at == 0  # (unknown until first read)
+    for _ in range(2):
+        assert daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[0], tier="fs").block.created_at == created
+
+
 def test_fs_options_are_validated():
     with pytest.raises(SystemExit, match="fs_size must be given"):
         load_config(["--fs-path", "/tmp/somewhere"], environ={})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -133,32 +134,30 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         offset = int(token)
         tier = self._tier(request.tier)
         blocks = list(self.store.committed_blocks(ns)) if tier in ("", RAM_TIER) else []
+        figures = _PoolFigures.of(self.store, blocks)  # (a slot may go to another block while the page is ranked)
         entries = self.fs.index.entries(ns.id if ns else None) if self.fs is not None and tier in ("", FS_TIER) else []
-        response = await asyncio.to_thread(self._blocks_page, blocks, entries, request.order, offset, page_size)
+        response = await asyncio.to_thread(self._blocks_page, blocks, figures, entries, request.order, offset, page_size)
         check_sendable(response, self.info.limits.max_message_bytes, f"ask for fewer blocks a page than {page_size}")
         return response
 
     def _blocks_page(  # noqa: PLR0913
-        self, blocks: list[Block], entries: list[FsEntry], order_by: int, offset: int, page_size: int
+        self, blocks: list[Block], figures: _PoolFigures, entries: list[FsEntry], order_by: int, offset: int, page_size: int
     ) -> pb.ListBlocksResponse:
-        """The page of these blocks (lists taken on the event loop) in the order asked for. On a thread:
-        ranking a million disk entries takes a few hundred ms here, during which the event loop goes
-        on serving (between the GIL's switches) instead of stopping every engine's calls."""
-        store = self.store
-        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
+        """The page of these blocks (lists and the pool blocks' figures taken on the event loop) in the
+        order asked for. On a thread: ranking a million disk entries takes a few hundred ms here, during
+        which the event loop goes on serving (between the GIL's switches) instead of stopping every
+        engine's calls."""
         last_access = np.concatenate(
-            [store.last_access[slots], np.fromiter((e.last_access for e in entries), dtype=np.float64, count=len(entries))]
+            [figures.last_access, np.fromiter((e.last_access for e in entries), dtype=np.float64, count=len(entries))]
         )
-        hits = np.concatenate(
-            [store.hits[slots].astype(np.int64), np.fromiter((e.hits for e in entries), dtype=np.int64, count=len(entries))]
-        )
+        hits = np.concatenate([figures.hits, np.fromiter((e.hits for e in entries), dtype=np.int64, count=len(entries))])
         if order_by == pb.BLOCK_ORDER_HITS:
             order = np.lexsort((-last_access, -hits))
         else:
             order = np.argsort(-last_access, kind="stable")
         total = len(blocks) + len(entries)
         page = order[offset : offset + page_size].tolist()
-        infos = [_block_info(store, blocks[i]) if i < len(blocks) else self._fs_info(entries[i - len(blocks)]) for i in page]
+        infos = [figures.info(blocks[i], i) if i < len(blocks) else self._fs_info(entries[i - len(blocks)]) for i in page]
         response = pb.ListBlocksResponse(blocks=infos, total=total)
         if offset + page_size < total:
             response.next_page_token = str(offset + page_size)
@@ -172,12 +171,11 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         return tier
 
     def _fs_info(self, entry: FsEntry) -> pb.BlockInfo:
-        ns = self.store.namespaces.get(entry.namespace)
         return pb.BlockInfo(
             namespace=entry.namespace,
             hash=entry.hash,
             tier=FS_TIER,
-            size_bytes=ns.block_bytes if ns is not None else 0,
+            size_bytes=self.fs.index.block_bytes[entry.namespace],  # (known or not to the store: retired)
             hits=entry.hits,
             created_at=entry.created_at,
             last_access_at=entry.last_access,
@@ -192,7 +190,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
             block = self.store.find_block(ns, request.hash)
             data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
             return pb.InspectBlockResponse(
-                block=_block_info(self.store, block),
+                block=_PoolFigures.of(self.store, [block]).info(block, 0),
                 page_ids=block.pages,
                 checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
                 stored_checksum=int(self.store.checksum[block.slot]),
@@ -255,18 +253,33 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         return response
 
 
-def _block_info(store: BlockStore, block: Block) -> pb.BlockInfo:
-    slot = block.slot
-    return pb.BlockInfo(
-        namespace=block.namespace.id,
-        hash=block.hash,
-        tier=RAM_TIER,
-        size_bytes=block.namespace.block_bytes,
-        hits=int(store.hits[slot]),
-        created_at=float(store.created_at[slot]),
-        last_access_at=float(store.last_access[slot]),
-        pins=int(store.pins[slot]),
-    )
+@dataclass(frozen=True)
+class _PoolFigures:
+    """Per-block figures of pool blocks, copied when the blocks were listed (a block evicted or deleted
+    since gives its slot, and the slot's figures, to another)."""
+
+    hits: np.ndarray
+    created_at: np.ndarray
+    last_access: np.ndarray
+    pins: np.ndarray
+
+    @classmethod
+    def of(cls, store: BlockStore, blocks: list[Block]) -> _PoolFigures:
+        slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
+        return cls(store.hits[slots].astype(np.int64), store.created_at[slots], store.last_access[slots], store.pins[slots])
+
+    def info(self, block: Block, index: int) -> pb.BlockInfo:
+        """`block`, listed at `index`."""
+        return pb.BlockInfo(
+            namespace=block.namespace.id,
+            hash=block.hash,
+            tier=RAM_TIER,
+            size_bytes=block.namespace.block_bytes,
+            hits=int(self.hits[index]),
+            created_at=float(self.created_at[index]),
+            last_access_at=float(self.last_access[index]),
+            pins=int(self.pins[index]),
+        )
 
 
 def _stats(tier: str, hits: int, misses: int, **values: int) -> pb.TierStats:

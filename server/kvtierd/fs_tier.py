@@ -668,6 +668,8 @@ class FsTier:
         except (OSError, BadBlock) as exc:
             self._read_failed(ns, block_hash, exc)
             raise NotFound(f"block {block_hash.hex()} could not be read intact from disk and was dropped: {exc}") from exc
+        if self.index.get(ns.id, block_hash) is entry:  # (a block indexed at start learns its time on first read)
+            entry.created_at = header.created_at
         return entry, buffer[: ns.block_bytes], header
 
     def totals(self, ns_id: str | None) -> tuple[FsCounters, int, int]:
@@ -679,8 +681,7 @@ class FsTier:
             counters.add(self.index.counters[digest])
             entries = self.index.blocks[digest]
             blocks += len(entries)
-            ns = self.store.namespaces.get(digest)
-            used += len(entries) * ns.block_bytes if ns is not None else sum(e.charge for e in list(entries.values()))
+            used += len(entries) * self.index.block_bytes.get(digest, 0)  # (the store's or not: retired)
         return counters, blocks, used
 
     # ------------------------------------------------------------------ plumbing
