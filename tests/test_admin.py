@@ -151,13 +151,9 @@ def test_inspect_sees_committed_bytes(daemon):
         assert daemon.admin("InspectBlock", namespace=ns.id, hash=h[0]).checksum_xxh3 == xxhash.xxh3_64_hexdigest(data[0])
 
 
-def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
-    """Ranking every block for ListBlocks (a few hundred ms for a million disk entries) runs on a thread:
-    with the ranking held, the event loop still serves (here a lookup), and the page comes after."""
-    store = BlockStore(num_pages=64, page_size=4096)
-    ns = store.register(spec(block_bytes=4096))
-    hashes = chain_hashes("listed", 8)
-    store.commit("s", store.reserve("s", ns, hashes).reservation.id)
+def service_with_held_ranking(monkeypatch, store: BlockStore) -> tuple[AdminService, threading.Event, threading.Event]:
+    """An AdminService of `store` whose ListBlocks ranking, on its thread, sets `ranking` and then
+    waits for `gate`."""
     sessions = SessionRegistry()
     info = pb.GetInfoResponse(limits=pb.Limits(max_message_bytes=64 << 20))  # (a default daemon's)
     service = AdminService(store, None, sessions, Metrics(store, sessions), info)
@@ -169,6 +165,17 @@ def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
         return real_argsort(*args, **kwargs)
 
     monkeypatch.setattr(admin_service.np, "argsort", held_argsort)
+    return service, ranking, gate
+
+
+def test_list_blocks_ranks_on_a_thread_while_the_event_loop_serves(monkeypatch):
+    """Ranking every block for ListBlocks (a few hundred ms for a million disk entries) runs on a thread:
+    with the ranking held, the event loop still serves (here a lookup), and the page comes after."""
+    store = BlockStore(num_pages=64, page_size=4096)
+    ns = store.register(spec(block_bytes=4096))
+    hashes = chain_hashes("listed", 8)
+    store.commit("s", store.reserve("s", ns, hashes).reservation.id)
+    service, ranking, gate = service_with_held_ranking(monkeypatch, store)
 
     async def main() -> None:
         listing = asyncio.ensure_future(AdminService.ListBlocks.__wrapped__(service, pb.ListBlocksRequest(page_size=5), None))
@@ -192,17 +199,7 @@ def test_a_blocks_page_shows_each_block_its_own_figures_when_its_slot_was_reused
     ns = store.register(spec(block_bytes=4096))
     old, new = chain_hashes("old", 8), chain_hashes("new", 8)
     store.commit("s", store.reserve("s", ns, old).reservation.id)
-    sessions = SessionRegistry()
-    info = pb.GetInfoResponse(limits=pb.Limits(max_message_bytes=64 << 20))
-    service = AdminService(store, None, sessions, Metrics(store, sessions), info)
-    ranking, gate, real_argsort = threading.Event(), threading.Event(), np.argsort
-
-    def held_argsort(*args, **kwargs):
-        ranking.set()
-        gate.wait(10)
-        return real_argsort(*args, **kwargs)
-
-    monkeypatch.setattr(admin_service.np, "argsort", held_argsort)
+    service, ranking, gate = service_with_held_ranking(monkeypatch, store)
 
     async def main() -> pb.ListBlocksResponse:
         listing = asyncio.ensure_future(AdminService.ListBlocks.__wrapped__(service, pb.ListBlocksRequest(page_size=8), None))

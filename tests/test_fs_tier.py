@@ -586,12 +586,7 @@ def test_blocks_on_disk_of_a_retired_namespace_keep_their_size_and_bytes(fs_daem
 
 
 def test_inspecting_a_block_on_disk_after_a_restart_reads_its_creation_time(fs_daemons):
-    daemon = fs_daemons("--fs-write-through", "true")
-    with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        hashes = chain_hashes("created", 2)
-        client.store(ns, hashes, contents(hashes, BLOCK))
-    wait_on_disk(daemon, 2)
+    daemon, ns, hashes, _ = stored_on_disk(fs_daemons, "created", 2)
     created = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[0], tier="fs").block.created_at
     assert created > 0
     daemon.stop()
