@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -79,6 +80,47 @@ def drain_loads(worker: BlockTransfers) -> tuple[set[str], set[str]]:
         failed |= bad
         time.sleep(0.01)
     return done, failed
+
+
+def test_failed_calls_leave_nothing_to_the_garbage_collector_and_a_crashed_daemons_pool_is_unmapped(start_daemon):
+    """With the cyclic garbage collector off: a failed load, a pinned load and failed stores, then
+    the daemon crashes. A failed call's error, raised into the engine's frame, used to tie its future,
+    its traceback's frames and what they held (a pinned load's view of the pool, a store's block
+    copies) into cycles that only a full collection freed: the old pool stayed mapped, and a
+    restarted daemon found no room for its own in /dev/shm."""
+    daemon = start_daemon("--pool-size", "16MiB")
+    link = DaemonLink(daemon.address, "pytest-engine", timeout=2.0, reconnect_interval=0.2)
+    link.set_namespace_spec(engine_spec())
+    pool_file = str(daemon.shm_dir)
+
+    def pool_mapped() -> bool:
+        return pool_file in Path("/proc/self/maps").read_text()
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        worker, _ = transfers(link, seed=1)
+        hashes = chain_hashes("mapped", 3)
+        worker.save([StoreJob("s", [0, 1, 2], hashes)])
+        wait(lambda: worker.stats.stored_blocks == 3)
+        worker.start_loads([LoadJob("evicted", [7, 8, 9], chain_hashes("gone", 3)), LoadJob("ok", [4, 5, 6], hashes)])
+        assert drain_loads(worker) == ({"evicted", "ok"}, {"evicted"})
+        assert pool_mapped()
+        daemon.process.kill()
+        daemon.process.wait()
+        worker.save([StoreJob("late", [10, 11], chain_hashes("late", 2))])  # (fails: the daemon is gone)
+        wait(lambda: worker.stats.store_failures == 2)
+        wait(lambda: not pool_mapped())  # the link dropped the session: nothing else holds the mapping
+        gc.collect()
+        ours = [o for o in gc.garbage if type(o) is Future or type(o).__module__.startswith("kvtier")]
+        frames = [o for o in gc.garbage if type(o).__name__ == "frame" and "/kvtier/" in o.f_code.co_filename]
+        assert not ours and not frames, (ours[:5], frames[:5])  # (grpc's own stream objects may be there)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        link.close()
 
 
 def test_store_in_one_engine_load_in_another_is_byte_exact(link):

@@ -131,8 +131,8 @@ class KVTierClient:
         try:
             for event in call:
                 first.put(event)
-        except grpc.RpcError as exc:
-            first.put(exc)
+        except grpc.RpcError as exc:  # (without its traceback: that would hold this frame, and so the client)
+            first.put(exc.with_traceback(None))
         finally:
             with self._alive_lock:
                 ended.set()

@@ -8,11 +8,14 @@ one numpy gather/scatter per batch and no Python loop over blocks.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("kvtier.pool")
 
 
 def decode_page_ids(page_ids: bytes, pages_per_block: int) -> np.ndarray:
@@ -113,5 +116,5 @@ class PoolMapping:
         self.view = None  # type: ignore[assignment]
         try:
             self._mmap.close()
-        except BufferError:
-            pass  # numpy views still alive; the mapping goes with them
+        except BufferError:  # numpy views still alive; the mapping goes with them
+            log.info("kvtierd pool mapping still in use; it is unmapped when its last view goes")

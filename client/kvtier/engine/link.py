@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -33,6 +33,21 @@ T = TypeVar("T")
 
 class DaemonUnavailable(Exception):
     """The daemon could not be reached, or the call failed; treat it as a miss."""
+
+
+def call_error(future: Future) -> BaseException | None:
+    """A done call's error (CancelledError when it was withdrawn), or None. Taken without raising it,
+    and with the tracebacks of it and its causes dropped: their frames (the link thread's, which hold
+    the call and so its future; the caller's, raised into) would keep the call's buffers, a store's
+    block copies or a load's view of the pool, alive until a full garbage collection."""
+    if future.cancelled():
+        return CancelledError()
+    error = future.exception()
+    link = error
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error
 
 
 class DaemonLink:
@@ -89,7 +104,8 @@ class DaemonLink:
         return self._client is not None or (not self._unresponsive and time.monotonic() >= self._down_until)
 
     def submit(self, call: Callable[[KVTierClient, Namespace], T]) -> Future[T]:
-        """Run `call(client, namespace)` on the link thread; its Future raises DaemonUnavailable on failure."""
+        """Run `call(client, namespace)` on the link thread; its Future raises DaemonUnavailable on failure
+        (take a done one's error with `call_error`, not by raising it)."""
         return self._executor.submit(self._run, call)
 
     def _run(self, call: Callable[[KVTierClient, Namespace], T]) -> T:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvtier.engine.jobs import LoadJob, StepPlan, StoreJob
-from kvtier.engine.link import DaemonLink
+from kvtier.engine.link import DaemonLink, call_error
 from kvtier.engine.rank_keys import keyed, rank_suffix
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -109,10 +109,7 @@ class PrefixPlanner:
             if not future.done():
                 pending.append((req_ids, future))
                 continue
-            try:
-                hits = future.result()
-            except Exception:  # noqa: BLE001 (DaemonUnavailable or anything else: those requests miss)
-                hits = []
+            hits = future.result() if call_error(future) is None else []  # (failed: those requests miss)
             if len(hits) != len(req_ids):  # (failed, or an answer of another length: misses, never a raise here)
                 hits = [0] * len(req_ids)
             for req_id, hit in zip(req_ids, hits, strict=True):

@@ -46,7 +46,7 @@ from kvtier.engine.kv_blocks import LayerMajorKV
 
 if TYPE_CHECKING:
     from kvtier.engine.gpu_kv import GpuKV
-from kvtier.engine.link import DaemonLink
+from kvtier.engine.link import DaemonLink, call_error
 from kvtier.engine.rank_keys import keyed, rank_suffix
 from kvtier.ops import LookupResult, Namespace, Reservation
 from kvtier.pool_view import PageView
@@ -337,6 +337,9 @@ class BlockTransfers:
             try:
                 if not call.future.done():  # (should it run later, it copies nothing: past its deadline)
                     raise LoadFailed("no answer by its deadline")
+                error = call_error(call.future)
+                if error is not None:
+                    raise LoadFailed(str(error) or type(error).__name__)
                 loaded = call.future.result()
                 if isinstance(loaded, _Pinned):
                     loaded = self._copy_pinned(job, loaded)
@@ -344,7 +347,8 @@ class BlockTransfers:
                 failed.add(req_id)
                 with self._lock:
                     self.stats.load_failures += 1
-                log.warning("kvtier load for request %s failed (%s); recomputing", req_id, exc)
+                reason = str(exc)  # (not the error: a record kept by a handler would keep its frames, this one's)
+                log.warning("kvtier load for request %s failed (%s); recomputing", req_id, reason)
                 continue
             with self._lock:
                 self.stats.loaded_blocks += loaded // self.kv.block_bytes
@@ -429,10 +433,8 @@ class BlockTransfers:
                 self._pending_store_bytes -= size
                 self._pending_gpu_stores -= gpu_call
             return
-        try:
-            stored, error = future.result(), None
-        except Exception as exc:  # noqa: BLE001 (a failed or cancelled store only costs a future miss)
-            stored, error = 0, exc
+        error = call_error(future)  # (a failed store only costs a future miss)
+        stored = future.result() if error is None else 0
         with self._lock:
             self._pending_store_bytes -= size
             self._pending_gpu_stores -= gpu_call
