@@ -145,10 +145,15 @@ def show_engines(r: pb.ListEnginesResponse) -> str:
 
 
 def _hashes(values: Sequence[str]) -> bytes:
+    """The hashes joined (as the API takes them); all of one length, or two of the wrong length could
+    join into hashes of the right one."""
     try:
-        return b"".join(bytes.fromhex(v) for v in values)
+        hashes = [bytes.fromhex(v) for v in values]
     except ValueError as exc:
         raise SystemExit(f"kvtierctl: block hashes are hex strings: {exc}") from exc
+    if len({len(h) for h in hashes}) > 1:
+        raise SystemExit(f"kvtierctl: block hashes of different lengths: {sorted({len(h) for h in hashes})} bytes")
+    return b"".join(hashes)
 
 
 def run_command(
