@@ -43,10 +43,13 @@ def call_error(future: Future) -> BaseException | None:
     if future.cancelled():
         return CancelledError()
     error = future.exception()
-    link = error
-    while link is not None:
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
+    chained, seen = [error], set()
+    while chained:
+        link = chained.pop()
+        if link is not None and id(link) not in seen:
+            seen.add(id(link))
+            link.__traceback__ = None
+            chained += [link.__cause__, link.__context__]
     return error
 
 
