@@ -120,8 +120,9 @@ def test_kvtierctl_json_and_tables(populated):
     assert "next page: --page-token 2" in ctl(daemon, "blocks", "--namespace", ns_a.id, "--limit", "2").stdout
     inspected = ctl(daemon, "inspect", ns_a.id, hashes_a[0].hex()).stdout
     assert "checksum (xxh3-64)" in inspected and "intact" in inspected
-    split = ctl(daemon, "delete", ns_a.id, hashes_a[4][:8].hex(), hashes_a[4][8:].hex(), check=False)  # (32 bytes in all)
-    assert split.returncode != 0 and "different lengths" in split.stderr
+    for cut in (8, 16):  # two pieces of one 32-byte hash
+        split = ctl(daemon, "delete", ns_a.id, hashes_a[4][:cut].hex(), hashes_a[4][cut:].hex(), check=False)
+        assert split.returncode != 0 and "hashes have 32 bytes" in split.stderr
     assert ctl(daemon, "delete", ns_a.id, hashes_a[5].hex()).stdout.strip() == "deleted 1 blocks"
     assert ctl(daemon, "clear", "--all").stdout.strip() == "deleted 8 blocks"
     assert ctl(daemon, "health").stdout.strip() == "SERVING"

@@ -59,9 +59,16 @@ def test_daemon_without_cuda_refuses_cuda_ipc_and_keeps_the_namespace(start_daem
     assert "cuda_ipc refused" in daemon.log()
 
 
+def _can_run(*command: str) -> bool:
+    """The command exists and succeeds here (checks what a test's namespaces need)."""
+    try:
+        return subprocess.run(command, capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 def _can_unshare_time() -> bool:
-    probe = ["unshare", "--user", "--map-root-user", "--time", "--monotonic", "100", "true"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
+    return _can_run("unshare", "--user", "--map-root-user", "--time", "--monotonic", "100", "true")
 
 
 @pytest.mark.skipif(not _can_unshare_time(), reason="needs unprivileged time namespaces (unshare --user --time)")
@@ -80,7 +87,7 @@ def test_cuda_ipc_is_refused_to_an_engine_whose_clock_is_not_the_daemons(start_d
 
 
 def _can_unshare_pid() -> bool:
-    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+    return _can_run("unshare", "--pid", "--fork", "--mount-proc", "true")
 
 
 IN_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child=SIGTERM", "--mount-proc")  # (of its own)

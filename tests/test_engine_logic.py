@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import urllib.request
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ from kvtier.engine import scheduler as scheduler_module  # noqa: E402
 from kvtier.engine import worker as worker_module  # noqa: E402
 from kvtier.engine.jobs import LoadJob, StoreJob  # noqa: E402
 from kvtier.engine.kv_blocks import LayerMajorKV  # noqa: E402
-from kvtier.engine.link import DaemonLink, DaemonUnavailable  # noqa: E402
+from kvtier.engine.link import DaemonLink, DaemonUnavailable, call_error  # noqa: E402
 from kvtier.engine.rank_keys import key_bytes, rank_suffix  # noqa: E402
 from kvtier.engine.scheduler import PrefixPlanner  # noqa: E402
 from kvtier.engine.worker import MAX_PENDING_GPU_STORES, BlockTransfers, DeviceCall  # noqa: E402
@@ -80,6 +80,34 @@ def drain_loads(worker: BlockTransfers) -> tuple[set[str], set[str]]:
         failed |= bad
         time.sleep(0.01)
     return done, failed
+
+
+def test_call_error_takes_a_done_calls_error_without_any_traceback_chained_to_it():
+    def failed_call() -> Future:
+        future = Future()
+        try:
+            try:
+                raise KeyError("context")
+            except KeyError:
+                raise DaemonUnavailable("call") from OSError("cause")
+        except DaemonUnavailable as exc:
+            future.set_exception(exc)
+        return future
+
+    future = failed_call()
+    error = call_error(future)
+    assert isinstance(error, DaemonUnavailable) and future.exception() is error
+    assert error.__traceback__ is None and error.__cause__.__traceback__ is None and error.__context__.__traceback__ is None
+    looped = DaemonUnavailable("a")
+    looped.__cause__ = OSError("b")
+    looped.__cause__.__context__ = looped  # (a chain that comes back: taken once)
+    future = Future()
+    future.set_exception(looped)
+    assert call_error(future) is looped
+    withdrawn, answered = Future(), Future()
+    withdrawn.cancel()
+    answered.set_result(3)
+    assert isinstance(call_error(withdrawn), CancelledError) and call_error(answered) is None
 
 
 def test_failed_calls_leave_nothing_to_the_garbage_collector_and_a_crashed_daemons_pool_is_unmapped(start_daemon):

@@ -144,16 +144,23 @@ def show_engines(r: pb.ListEnginesResponse) -> str:
     return table(["engine", "pid", "session", "connected", "namespaces", "lookups", "hits", "misses", "stored", "loaded"], rows)
 
 
-def _hashes(values: Sequence[str]) -> bytes:
-    """The hashes joined (as the API takes them); all of one length, or two of the wrong length could
-    join into hashes of the right one."""
+def _hashes(values: Sequence[str], size: int | None = None) -> bytes:
+    """The hashes joined (as the API takes them), each checked to have the namespace's `size` bytes
+    when it is known (hashes of a wrong length could join into hashes of the right one)."""
     try:
         hashes = [bytes.fromhex(v) for v in values]
     except ValueError as exc:
         raise SystemExit(f"kvtierctl: block hashes are hex strings: {exc}") from exc
-    if len({len(h) for h in hashes}) > 1:
-        raise SystemExit(f"kvtierctl: block hashes of different lengths: {sorted({len(h) for h in hashes})} bytes")
+    wrong = [v for v, h in zip(values, hashes, strict=True) if size is not None and len(h) != size]
+    if wrong:
+        raise SystemExit(f"kvtierctl: the namespace's block hashes have {size} bytes, not {wrong[0]!r}")
     return b"".join(hashes)
+
+
+def _hash_bytes(stub: pb_grpc.KVTierAdminStub, namespace: str, timeout: float) -> int | None:
+    """The namespace's hash size, or None when the daemon does not know it (it answers NOT_FOUND)."""
+    listed = stub.ListNamespaces(pb.ListNamespacesRequest(), timeout=timeout).namespaces
+    return next((info.spec.hash_bytes for info in listed if info.namespace == namespace), None)
 
 
 def run_command(
@@ -177,7 +184,8 @@ def run_command(
         request = pb.InspectBlockRequest(namespace=args.namespace, hash=_hashes([args.hash]), tier=args.tier)
         return stub.InspectBlock(request, timeout=timeout), show_inspect
     if c == "delete":
-        request = pb.DeleteBlocksRequest(namespace=args.namespace, hashes=_hashes(args.hashes))
+        hashes = _hashes(args.hashes, _hash_bytes(stub, args.namespace, timeout))
+        request = pb.DeleteBlocksRequest(namespace=args.namespace, hashes=hashes)
         return stub.DeleteBlocks(request, timeout=timeout), lambda r: f"deleted {r.deleted_count} blocks"
     if c == "clear":
         if not args.all and not args.namespace:

@@ -237,7 +237,7 @@ class BlockStore:
         go on in `retired`. Returns the blocks deleted."""
         if self.holds_any(ns):
             raise FailedPrecondition(f"namespace {ns.id} is held by a lease or reservation")
-        deleted = self.clear(ns)  # (none pinned or pending: nothing holds them)
+        deleted = self.clear(ns)  # (none pending; one held during a promotion goes when the hold ends)
         with self.census:
             del self.namespaces[ns.id]
             self.retired.add(ns.counters)
@@ -308,7 +308,8 @@ class BlockStore:
     @contextlib.contextmanager
     def held(self, ns: Namespace, hashes: list[bytes]) -> Iterator[None]:
         """Keep the committed blocks among `hashes` from eviction meanwhile: a prefix's blocks in the
-        pool while its blocks on disk are promoted, whose room would otherwise be made by evicting them."""
+        pool while its blocks on disk are promoted, whose room would otherwise be made by evicting them.
+        They go back to the eviction policy as just used (they are in a prefix just looked up)."""
         blocks = [block for block in map(ns.blocks.get, dict.fromkeys(hashes)) if block is not None]
         slots = np.fromiter(map(_slot_of, blocks), dtype=np.int64, count=len(blocks))
         self._pin(slots, ns.pages_per_block)

@@ -87,7 +87,11 @@ class IndexCollector:
         yield GaugeMetricFamily(
             "kvtierd_reserved_bytes", "Pool bytes held by open reservations.", value=usage.reserved_pages * store.page_size
         )
-        yield GaugeMetricFamily("kvtierd_pinned_blocks", "Blocks pinned by open leases.", value=usage.pinned_blocks)
+        yield GaugeMetricFamily(
+            "kvtierd_pinned_blocks",
+            "Blocks pinned by open leases (or held while their prefix is promoted from disk).",
+            value=usage.pinned_blocks,
+        )
         yield GaugeMetricFamily("kvtierd_namespaces", "Namespaces known.", value=len(namespaces))
         yield GaugeMetricFamily("kvtierd_engines_connected", "Engine sessions open.", value=len(self._sessions))
         if self._fs is not None:

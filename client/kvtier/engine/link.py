@@ -45,11 +45,11 @@ def call_error(future: Future) -> BaseException | None:
     error = future.exception()
     chained, seen = [error], set()
     while chained:
-        link = chained.pop()
-        if link is not None and id(link) not in seen:
-            seen.add(id(link))
-            link.__traceback__ = None
-            chained += [link.__cause__, link.__context__]
+        one = chained.pop()
+        if one is not None and id(one) not in seen:
+            seen.add(id(one))
+            one.__traceback__ = None
+            chained += [one.__cause__, one.__context__]
     return error
 
 
