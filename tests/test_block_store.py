@@ -250,7 +250,17 @@ def test_a_retired_namespace_frees_its_pages_and_keeps_its_counts_only_once_noth
     assert list(store.namespaces) == [] and store.usage().used_pages == 0
     assert (store.retired.stored_blocks, store.retired.hits, store.retired_bytes.stored_blocks) == (2, 1, 4 * PAGE)
     assert_accounting(store)
-    assert store.register(spec(model_id="a", block_bytes=2 * PAGE)).blocks == {}  # (a new namespace of that id)
+    again = store.register(spec(model_id="a", block_bytes=2 * PAGE))
+    assert again.blocks == {} and again is not ns  # (a new namespace of that id)
+    for hold in (  # the retired one holds nothing more: nothing would count or free it
+        lambda: store.lookup("s1", ns, [b"a" * 32], pin=True),
+        lambda: store.reserve("s1", ns, [b"d" * 32]),
+        lambda: store.extend_lease("s1", ns, None, [b"a" * 32]),
+    ):
+        with pytest.raises(NotFound, match="retired"):
+            hold()
+    assert store.lookup("s1", ns, [b"a" * 32], pin=False) == (0, None)  # (a look without a hold is harmless)
+    assert_accounting(store)
 
 
 def test_mixed_block_sizes_share_the_pool_with_little_waste():

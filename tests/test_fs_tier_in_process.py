@@ -24,7 +24,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd import fs_staging, fs_tier
 from kvtierd.block_store import BlockStore, Namespace
 from kvtierd.data_service import DataService
-from kvtierd.errors import Unauthenticated
+from kvtierd.errors import NotFound, Unauthenticated
 from kvtierd.fs_format import aligned_empty, block_path, charged_bytes, read_block
 from kvtierd.fs_snapshot import RACY_SECONDS
 from kvtierd.fs_tier import FsSettings, FsTier
@@ -720,6 +720,31 @@ def test_a_pinned_lookup_batch_whose_session_ends_before_its_lookups_run_pins_no
         with pytest.raises(Unauthenticated):
             await call
         assert not t.store._leases
+
+    run_with_tiers(tmp_path, body)
+
+
+def test_a_pinned_lookup_batch_whose_namespace_is_retired_before_its_lookups_run_pins_nothing(tmp_path):
+    """Another call of the session leaves the namespace and a Register retires it before the batch's
+    lookup tasks run: they refuse (NOT_FOUND) instead of promoting the blocks on disk into the retired
+    namespace, whose pages nothing would count or free, under a lease on a namespace the store no
+    longer knows."""
+    a, b, c, d, e = chain_hashes("batch-retired", 5)
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A is on disk only
+        service, session = t.data_service(daemon_limits(max_batch_blocks=64))
+        session.namespaces.add(t.ns.id)
+        request = pb.LookupBatchRequest(session_id=session.id, namespace=t.ns.id, queries=[a + b], pin=True)
+        call = asyncio.ensure_future(DataService.LookupBatch.__wrapped__(service, request, None))  # (no gRPC wrapper)
+        await asyncio.sleep(0)  # the call has made its lookups' tasks, which have not run
+        session.namespaces.discard(t.ns.id)  # (Register with `replaces`, then a Register at --max-namespaces)
+        t.store.retire(t.ns)
+        with pytest.raises(NotFound):
+            await call
+        await t.settle()
+        usage = t.store.usage()
+        assert not t.store._leases and usage.used_pages == usage.committed_pages == 0 and not t.ns.blocks
 
     run_with_tiers(tmp_path, body)
 

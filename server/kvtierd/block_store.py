@@ -228,6 +228,11 @@ class BlockStore:
         self.namespaces[digest] = ns
         return ns
 
+    def _still_known(self, ns: Namespace) -> None:
+        """Refuse to hold blocks for a namespace the store has retired: nothing would count or free them."""
+        if self.namespaces.get(ns.id) is not ns:
+            raise NotFound(f"namespace {ns.id} was retired")
+
     def holds_any(self, ns: Namespace) -> bool:
         """Some lease or reservation holds blocks of `ns`."""
         return any(hold.namespace is ns for hold in itertools.chain(self._leases.values(), self._reservations.values()))
@@ -264,6 +269,7 @@ class BlockStore:
     def lookup(self, session_id: str, ns: Namespace, hashes: list[bytes], pin: bool) -> tuple[int, Lease | None]:
         """Count the leading hashes that are committed; with `pin`, pin them under a new lease."""
         if pin:  # a lease pins each block once
+            self._still_known(ns)
             hashes = until_repeat(hashes)
         hit: list[Block] = list(itertools.takewhile(bool, map(ns.blocks.get, hashes)))
         ns.last_used = self._clock()
@@ -324,6 +330,7 @@ class BlockStore:
     def extend_lease(self, session_id: str, ns: Namespace, lease: Lease | None, hashes: list[bytes]) -> Lease | None:
         """Pin the leading committed blocks of `hashes` too (blocks just promoted from disk, following
         the prefix `lease` holds); returns the lease holding them all (a new one when `lease` is None)."""
+        self._still_known(ns)
         if lease is not None and self._leases.get(lease.id) is not lease:
             raise NotFound(f"lease {lease.id} ended while blocks were read from disk")
         held = {b.hash for b in lease.blocks} if lease is not None else set()
@@ -375,6 +382,7 @@ class BlockStore:
 
     def reserve(self, session_id: str, ns: Namespace, hashes: list[bytes], admit_all: bool = False) -> ReserveResult:
         """Reserve pages for the hashes not present; `admit_all` skips --store-threshold (promotions)."""
+        self._still_known(ns)
         ns.last_used = self._clock()
         count = len(hashes)
         statuses = np.full(count, pb.BLOCK_STATUS_RESERVED, dtype=np.uint8)
