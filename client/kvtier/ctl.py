@@ -151,9 +151,9 @@ def _hashes(values: Sequence[str], size: int | None = None) -> bytes:
         hashes = [bytes.fromhex(v) for v in values]
     except ValueError as exc:
         raise SystemExit(f"kvtierctl: block hashes are hex strings: {exc}") from exc
-    wrong = [v for v, h in zip(values, hashes, strict=True) if size is not None and len(h) != size]
-    if wrong:
-        raise SystemExit(f"kvtierctl: the namespace's block hashes have {size} bytes, not {wrong[0]!r}")
+    wrong = next((v for v, h in zip(values, hashes, strict=True) if len(h) != size), None) if size is not None else None
+    if wrong is not None:
+        raise SystemExit(f"kvtierctl: the namespace's block hashes have {size} bytes, not {wrong!r}")
     return b"".join(hashes)
 
 

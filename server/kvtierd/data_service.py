@@ -191,7 +191,8 @@ class DataService(pb_grpc.KVTierServicer):
         if sum(map(len, queries)) > most:
             raise InvalidArgument(f"{sum(map(len, queries))} hashes in all exceed the limit of {most} per LookupBatch")
         if self.fs is not None and request.pin:  # promotions of different queries run in parallel
-            lookups = [asyncio.ensure_future(self._batch_lookup(session, ns, query)) for query in queries]
+            # (each task runs a turn later: a namespace retired meanwhile is refused by the store's lookup)
+            lookups = [asyncio.ensure_future(self._lookup(session, ns, query, True)) for query in queries]
             try:
                 results = await asyncio.gather(*lookups)
             except BaseException:  # one failed, or the caller went: the others' pins go too
@@ -201,15 +202,6 @@ class DataService(pb_grpc.KVTierServicer):
             results = [await self._lookup(session, ns, query, request.pin) for query in queries]
         results = pb.LookupBatchResponse(results=results)
         return self._sendable(results, partial(self._release_leases, session.id, results.results), context)
-
-    async def _batch_lookup(self, session: Session, ns: Namespace, query: list[bytes]) -> pb.LookupResponse:
-        """One query of a pinned LookupBatch, in a task of its own: it runs a turn of the event loop after
-        the call's checks, in which another call of the session may have left the namespace and a
-        Register retired it (its blocks on disk would be promoted into a namespace the store no longer
-        knows)."""
-        if self._session_namespace(session.id, ns.id)[1] is not ns:
-            raise NotFound(f"namespace {ns.id} was retired during the call")
-        return await self._lookup(session, ns, query, True)
 
     def _sendable(self, response, let_go: Callable[[], None], context):
         """The response, when it fits in a message; else `let_go` ends the holds it carries (they would
