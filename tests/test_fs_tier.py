@@ -663,6 +663,46 @@ def test_a_block_file_is_fsynced_under_its_temporary_name_before_it_is_renamed(t
     assert header.checksum == 7
 
 
+def test_a_fifo_named_like_a_block_is_a_miss_removed_and_the_daemon_still_stops(fs_daemons):
+    """A file of the wrong kind under a block's name (a FIFO put there by hand) is found by its name
+    at start; its first read must not wait for a writer that never comes (the promotion's pages held
+    for good, and an I/O thread that kept the daemon from exiting): it is a bad block, a miss, and
+    removed."""
+    daemon = fs_daemons("--fs-write-through", "true")
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        hashes = chain_hashes("fifo", 2)
+        client.store(ns, hashes, contents(hashes, BLOCK))
+        wait_on_disk(daemon, 2)
+    assert daemon.stop() == 0
+    path = block_file(daemon, ns.id, hashes[0])
+    path.unlink()
+    os.mkfifo(path)
+    again = fs_daemons(directory=daemon.directory)
+    with KVTierClient(again.address, timeout=10) as client:
+        ns = client.register(spec(block_bytes=BLOCK))
+        assert client.lookup(ns, hashes, pin=True).hit_count == 0
+    assert not path.exists() and fs_stats(again).blocks == 1
+    again.process.send_signal(signal.SIGTERM)
+    assert again.process.wait(20) == 0
+
+
+def test_a_block_file_is_written_anew_over_an_evicted_name_that_is_no_longer_a_file(tmp_path):
+    """The file of an evicted block reused for a new one turned out to be a FIFO: a new file is
+    written (opening the FIFO to write over it would wait for a reader for good), and reading a
+    FIFO under a block's name is a BadBlock at once."""
+    data = fs_format.aligned_empty(BLOCK)
+    data[:] = np.frombuffer(block_content(b"f" * 32, BLOCK).tobytes(), dtype=np.uint8)
+    old, path = tmp_path / "old.kvb", tmp_path / "block.kvb"
+    os.mkfifo(old)
+    fs_format.write_block_file(path, "ns", b"f" * 32, BLOCK, 7, 1.5e9, [memoryview(data)], direct=False, reuse=old)
+    assert not old.exists() and path.is_file()
+    assert fs_format.read_block(path, "ns", b"f" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], False).checksum == 7
+    os.mkfifo(tmp_path / "fifo.kvb")
+    with pytest.raises(fs_format.BadBlock, match="not a regular file"):
+        fs_format.read_block(tmp_path / "fifo.kvb", "ns", b"f" * 32, BLOCK, [memoryview(data)], direct=False)
+
+
 def test_the_index_file_records_no_directory_changed_within_a_coarse_timestamps_tick(tmp_path):
     """On filesystems with 1-second (or 2-second) mtimes, a directory changed in the same tick after
     its mtime was taken keeps that mtime: it must not be recorded, or a restart after a crash would

@@ -31,12 +31,14 @@ Everything here is blocking file I/O, called on the tier's thread pool, never on
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -270,8 +272,26 @@ def _open_temporary(temporary: Path, reuse: Path | None, flags: int) -> int:
             pass  # removed meanwhile (by hand, or its namespace cleared): a new file
         else:
             fsync_directory(reuse.parent)  # the old name is gone for good before its bytes are overwritten
-            return os.open(temporary, flags)
+            fd = _open_regular(temporary, flags)
+            if fd is not None:
+                return fd
+            os.unlink(temporary)  # not a file we can write over (a FIFO put there by hand, say): a new one
     return os.open(temporary, flags | os.O_CREAT | os.O_EXCL, 0o600)
+
+
+def _open_regular(path: Path, flags: int) -> int | None:
+    """`path` opened with `flags` when it is a regular file; None for anything else (opened without
+    blocking: a FIFO would otherwise hold the opening thread until someone opened its other end)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EOPNOTSUPP):  # (a FIFO, directory, device)
+            return None
+        raise
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
 
 
 def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments: Sequence[memoryview], direct: bool) -> Header:
@@ -279,7 +299,9 @@ def read_block(path: Path, digest: str, block_hash: bytes, length: int, segments
     verify it. Raises FileNotFoundError when the file is gone and BadBlock when it is not intact. With
     `direct`, header and bytes come in one O_DIRECT request (a file written with O_DIRECT has its bytes
     at ALIGN); a file whose bytes are elsewhere is read again from there."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    fd = _open_regular(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+    if fd is None:
+        raise BadBlock(f"{path}: not a regular file")
     try:
         if direct:
             head = aligned_empty(ALIGN)
