@@ -27,6 +27,7 @@ from kvtierd.config import load_config
 from kvtierd.fs_snapshot import RACY_SECONDS
 
 BLOCK = 256 * 1024  # 16 blocks fill the 4 MiB pools below
+SMALL = 4096
 
 
 def fs_stats(daemon: DaemonProcess, namespace: str = "") -> pb.TierStats:
@@ -661,6 +662,34 @@ def test_a_block_file_is_fsynced_under_its_temporary_name_before_it_is_renamed(t
         assert events.index(renames[0]) < events.index(("fsync_dir", str(tmp_path))) < events.index(("fsync", temporary))
     header = fs_format.read_block(path, "ns", b"f" * 32, BLOCK, [memoryview(fs_format.aligned_empty(BLOCK))], direct=False)
     assert header.checksum == 7
+
+
+@pytest.mark.parametrize("call", ["Clear", "DeleteBlocks"])
+def test_blocks_deleted_before_a_crash_stay_deleted(fs_daemons, call):
+    """Clear and DeleteBlocks answer once the blocks' files are removed: a crash (SIGKILL) right after
+    the answer cannot bring them back at the next start. (They answered while the removals still
+    waited for an I/O thread, and most of several thousand cleared blocks were indexed and served
+    again after the crash.)"""
+    daemon = fs_daemons("--fs-size", "1GiB", "--fs-write-through", "true")
+    hashes = chain_hashes(f"deleted-{call}", 4000)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=SMALL))
+        client.store(ns, hashes[:1], contents(hashes[:1], SMALL))  # (its namespace's directory and spec file)
+        wait_on_disk(daemon, 1)
+    assert daemon.stop() == 0
+    root, data = daemon.directory / "fs", fs_format.aligned_empty(SMALL)
+    for h in hashes[1:]:  # blocks of a namespace, as a long-running daemon would have written them
+        fs_format.write_block_file(
+            fs_format.block_path(root, ns.id, h), ns.id, h, SMALL, 0, time.time(), [memoryview(data)], False, durable=False
+        )
+    again = fs_daemons("--fs-size", "1GiB", directory=daemon.directory)
+    assert fs_stats(again).blocks == len(hashes)
+    fields = {"hashes": b"".join(hashes)} if call == "DeleteBlocks" else {}
+    assert again.admin(call, namespace=ns.id, **fields).deleted_count == len(hashes)
+    again.process.send_signal(signal.SIGKILL)
+    again.process.wait()
+    third = fs_daemons("--fs-size", "1GiB", directory=daemon.directory)
+    assert fs_stats(third).blocks == 0
 
 
 def test_a_fifo_named_like_a_block_is_a_miss_removed_and_the_daemon_still_stops(fs_daemons):

@@ -231,7 +231,7 @@ def test_a_block_deleted_while_it_is_promoted_is_not_brought_back(tmp_path):
         await t.demote_first([a, b, c, d, e])  # A goes to disk
         gate, promotion = await t.held_promotion(a)
         t.store.delete(t.ns, [a])
-        assert t.fs.delete(t.ns.id, [a]) == {a}
+        assert t.fs.delete(t.ns.id, [a]).hashes == {t.ns.id: {a}}
         gate.set()
         await promotion
         await t.settle()
@@ -252,7 +252,7 @@ def test_a_block_deleted_while_its_demotion_is_written_does_not_come_back(tmp_pa
         gate = hold_io_threads(t.fs, readers=False)
         await t.put(e, 0)  # evicts A from the pool: its file's write waits for an I/O thread
         assert (t.ns.id, a) in t.fs._writes
-        assert t.fs.delete(t.ns.id, [a]) == set()  # (not on disk yet)
+        assert not t.fs.delete(t.ns.id, [a]).hashes  # (not on disk yet)
         gate.set()
         await t.settle()
         assert t.fs.index.get(t.ns.id, a) is None and not t.path(a).exists() and len(t.fs.index) == 0
@@ -288,6 +288,43 @@ def test_a_block_cleared_during_its_promotion_and_stored_again_keeps_the_new_cop
         assert np.array_equal(t.pool.view.read_blocks(pages, BLOCK)[0], block_content(a, BLOCK))
 
     run_with_tiers(tmp_path, body)
+
+
+@pytest.mark.parametrize("call", ["clear", "delete"])
+def test_a_deletion_is_gone_only_once_a_write_it_cancelled_has_left_no_file(tmp_path, monkeypatch, call):
+    """A block deleted while its write is in flight: the write still puts its file under the block's
+    name, which is removed after it. `gone` (what DeleteBlocks and Clear wait for before they answer)
+    waits for both, so that a crash after the answer finds no file to index again."""
+    a, b, c, d, e = chain_hashes(f"gone-{call}", 5)
+    gate = threading.Event()
+
+    def held_write_block_file(*args, **kwargs):
+        gate.wait()
+        real_write_block_file(*args, **kwargs)
+
+    real_write_block_file = fs_tier.write_block_file
+    monkeypatch.setattr(fs_tier, "write_block_file", held_write_block_file)
+
+    async def body(t: Tiers) -> None:
+        for block_hash in (a, b, c, d):
+            await t.put(block_hash, 0)
+        await t.put(e, 0)  # A's demotion: its write waits at the gate
+        while (t.ns.id, a) not in t.fs._writes:
+            await asyncio.sleep(0.001)
+        deletion = t.fs.clear(t.ns.id) if call == "clear" else t.fs.delete(t.ns.id, [a])
+        gone = asyncio.ensure_future(t.fs.gone(deletion))
+        await asyncio.sleep(0.05)
+        assert not gone.done()
+        gate.set()
+        while not t.path(a).exists() and not gone.done():  # (the write puts its file in place first)
+            await asyncio.sleep(0.001)
+        await gone
+        assert not t.path(a).exists() and t.fs.index.get(t.ns.id, a) is None
+
+    try:
+        run_with_tiers(tmp_path, body)
+    finally:
+        gate.set()
 
 
 def test_a_block_the_pool_lets_go_of_keeps_its_file_over_older_ones(tmp_path):

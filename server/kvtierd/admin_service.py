@@ -207,24 +207,32 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         )
 
     @unary
-    def DeleteBlocks(self, request: pb.DeleteBlocksRequest, context) -> pb.DeleteBlocksResponse:  # noqa: N802
+    async def DeleteBlocks(self, request: pb.DeleteBlocksRequest, context) -> pb.DeleteBlocksResponse:  # noqa: N802
+        """Answers once the blocks' files are removed (a crash then cannot bring them back)."""
         ns = self.store.namespace(request.namespace)
         hashes = self.store.split_hashes(ns, request.hashes)
         deleted = {h for h in hashes if h in ns.blocks}
         self.store.delete(ns, hashes)
         if self.fs is not None:
-            deleted |= self.fs.delete(ns.id, hashes)
+            on_disk = self.fs.delete(ns.id, hashes)
+            deleted |= on_disk.hashes[ns.id]
+            await self.fs.gone(on_disk)
         log.info("blocks deleted", extra={"namespace": ns.id, "deleted": len(deleted), "peer": context.peer()})
         return pb.DeleteBlocksResponse(deleted_count=len(deleted))
 
     @unary
-    def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:  # noqa: N802
+    async def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:  # noqa: N802
+        """Answers once the blocks' files are removed (a crash then cannot bring them back)."""
         if request.all == bool(request.namespace):
             raise InvalidArgument("give either a namespace or all=true")
         ns: Namespace | None = None if request.all else self.store.namespace(request.namespace)
         in_pool = {n.id: set(n.blocks) for n in ([ns] if ns is not None else self.store.namespaces.values())}
         self.store.clear(ns)
-        on_disk = self.fs.clear(ns.id if ns is not None else None) if self.fs is not None else {}
+        on_disk = {}
+        if self.fs is not None:
+            deletion = self.fs.clear(ns.id if ns is not None else None)
+            on_disk = deletion.hashes
+            await self.fs.gone(deletion)
         deleted = sum(len(in_pool.get(n, set()) | on_disk.get(n, set())) for n in in_pool.keys() | on_disk.keys())
         log.info("cache cleared", extra={"namespace": ns.id if ns else "*", "deleted": deleted, "peer": context.peer()})
         return pb.ClearResponse(deleted_count=deleted)

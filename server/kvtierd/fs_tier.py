@@ -141,7 +141,17 @@ class _Write:
     evicted: list[FsEntry]  # the blocks it evicted to make room (their files removed or written over)
     deletions: int  # FsTier._deletions when it evicted them
     cancelled: bool = False  # deleted while being written: the file is removed when it is complete
+    written: asyncio.Future | None = None  # done once the file is written (or its write failed)
     intact: list[Path] = field(default_factory=list)  # the files of `evicted` still there after it failed
+
+
+@dataclass
+class Deletion:
+    """What a DeleteBlocks or Clear took off disk: the hashes that were indexed, per namespace, and
+    every block whose file it removes (with the writes in flight it cancelled), for `FsTier.gone`."""
+
+    hashes: dict[str, set[bytes]] = field(default_factory=lambda: defaultdict(set))
+    keys: list[Key] = field(default_factory=list)
 
 
 class FsTier:
@@ -158,6 +168,7 @@ class FsTier:
         self.readers = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvtierd-fs-read")  # not behind writes
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-copy")  # out of the pool, not behind writes
         self.indexer = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-index")  # index files, not behind writes
+        self.remover = ThreadPoolExecutor(1, thread_name_prefix="kvtierd-fs-remove")  # deletions, not behind writes
         self._copies: set[asyncio.Future] = set()  # copies out of the pool still reading their pages
         self._copied_pages = np.zeros(len(pool.view.pages), dtype=np.int32)  # per pool page: copies reading it
         self._writes: dict[Key, _Write] = {}
@@ -252,6 +263,7 @@ class FsTier:
         self.copier.shutdown(wait=False, cancel_futures=True)
         self.indexer.shutdown(wait=False, cancel_futures=True)
         self.readers.shutdown(wait=False, cancel_futures=True)
+        self.remover.shutdown(wait=False, cancel_futures=True)
 
     async def keep_index_file(self) -> None:
         """Rewrite the index file every --fs-index-interval while the index changes (a task of the daemon)."""
@@ -498,6 +510,7 @@ class FsTier:
         self._jobs.add(copy.written)
         copy.written.add_done_callback(self._jobs.discard)
         self._writes[(ns.id, block.hash)] = job
+        job.written = copy.written
         self._removing_by(evicted, copy.written)
         copy.written.add_done_callback(partial(self._written, job, buffer))
         return copy
@@ -625,34 +638,54 @@ class FsTier:
 
     # ------------------------------------------------------------------ admin
 
-    def delete(self, ns_id: str, hashes: list[bytes]) -> set[bytes]:
-        """Delete blocks from disk (writes in flight are cancelled); returns the hashes that were indexed."""
+    def delete(self, ns_id: str, hashes: list[bytes]) -> Deletion:
+        """Delete blocks from disk (writes in flight are cancelled); `gone` waits for their files."""
         self._deletions += 1
         entries = [e for e in map(partial(self.index.get, ns_id), hashes) if e is not None]
+        cancelled = []
         for block_hash in hashes:
             job = self._writes.get((ns_id, block_hash))
             if job is not None:
                 job.cancelled = True
+                cancelled.append((ns_id, block_hash))
             if (ns_id, block_hash) in self._promotions:
                 self._deleted_while_promoted.add((ns_id, block_hash))
-        for entry in entries:
-            self.index.remove(entry)
-        self._remove_files(entries)
-        return {e.hash for e in entries}
+        return self._delete_entries(entries, cancelled)
 
-    def clear(self, ns_id: str | None) -> dict[str, set[bytes]]:
-        """Delete every block of a namespace (or all); returns the deleted hashes per namespace."""
+    def clear(self, ns_id: str | None) -> Deletion:
+        """Delete every block of a namespace (or all); `gone` waits for their files."""
         self._deletions += 1
-        for (job_ns, _), job in self._writes.items():
-            if ns_id is None or job_ns == ns_id:
+        cancelled = []
+        for key, job in self._writes.items():
+            if ns_id is None or key[0] == ns_id:
                 job.cancelled = True
-        entries = self.index.entries(ns_id)
-        deleted: dict[str, set[bytes]] = defaultdict(set)
+                cancelled.append(key)
+        return self._delete_entries(self.index.entries(ns_id), cancelled)
+
+    def _delete_entries(self, entries: list[FsEntry], cancelled: list[Key]) -> Deletion:
+        """Take the blocks out of the index and remove their files on the remover thread (not behind
+        queued writes)."""
+        deleted = Deletion()
         for entry in entries:
             self.index.remove(entry)
-            deleted[entry.namespace].add(entry.hash)
-        self._remove_files(entries)
+            deleted.hashes[entry.namespace].add(entry.hash)
+        if entries:
+            paths = [self._path(e) for e in entries]
+            self._remove(paths, sum(e.charge for e in entries), executor=self.remover)
+        deleted.keys = [(e.namespace, e.hash) for e in entries] + cancelled
         return deleted
+
+    async def gone(self, deletion: Deletion) -> None:
+        """Wait until the files of a deletion are removed: their removal, and the writes in flight it
+        cancelled, each with the removal of its file once written. A crash after that cannot bring the
+        blocks back (a crash before it can: the next start finds the files still there)."""
+        while True:
+            pending = {self._removals.get(self._path_of(*key)) for key in deletion.keys}
+            pending |= {job.written for key in deletion.keys if (job := self._writes.get(key)) is not None and job.cancelled}
+            pending.discard(None)
+            if not pending:
+                return
+            await asyncio.wait(pending)
 
     async def inspect(self, ns: Namespace, block_hash: bytes) -> tuple[FsEntry, np.ndarray, Header]:
         """Read one block from disk (verified like any read: a bad file is dropped and NOT_FOUND)."""
@@ -692,15 +725,11 @@ class FsTier:
     def _path(self, entry: FsEntry) -> Path:
         return self._path_of(entry.namespace, entry.hash)
 
-    def _remove_files(self, entries: list[FsEntry]) -> None:
-        if entries:
-            self._remove([self._path(e) for e in entries], sum(e.charge for e in entries))
-
-    def _remove(self, paths: list[Path], charge: int) -> None:
+    def _remove(self, paths: list[Path], charge: int, executor: ThreadPoolExecutor | None = None) -> None:
         """Unlink files on an I/O thread. They are out of the index, but until they are gone they still
         count against --fs-size (`charge`), so writes meanwhile do not take their room twice."""
         self.index.removing_bytes += charge
-        job = self._run(self._unlink_all, paths)
+        job = self._run(self._unlink_all, paths, executor=executor)
         self._removing_by(paths, job)
 
         def removed(_: asyncio.Future) -> None:
