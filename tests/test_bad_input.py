@@ -225,3 +225,25 @@ def test_a_hello_with_an_overlong_engine_name_is_refused(env):
     with KVTierClient(daemon.address, engine_name="e" * 256, timeout=5):
         pass
     assert "session refused reason=Hello's engine_name" in daemon.log()
+
+
+@pytest.mark.parametrize(
+    ("code", "method", "fields"),
+    [
+        (grpc.StatusCode.NOT_FOUND, "Lookup", {"namespace": "n" * 20_000}),
+        (grpc.StatusCode.UNAUTHENTICATED, "Lookup", {"session_id": "s" * 20_000}),
+        (grpc.StatusCode.NOT_FOUND, "GetStats", {"namespace": "n" * 20_000}),
+        (grpc.StatusCode.INVALID_ARGUMENT, "ListBlocks", {"page_token": "t" * 20_000}),
+    ],
+)
+def test_a_refusal_repeating_a_huge_value_keeps_its_status_and_a_short_message(env, code, method, fields):
+    """A refusal's message names what the client sent (an unknown id, a bad token): of a value of
+    20,000 characters it is clipped, so the status reaches the client (gRPC clients refuse metadata
+    over 16 KiB, and the call failed with RESOURCE_EXHAUSTED instead) and the log line stays short."""
+    daemon, owner, _ = env
+    if method in ("GetStats", "ListBlocks"):
+        details = expect(code, daemon.admin, method, **fields)
+    else:
+        details = expect(code, call, owner, method, **{"namespace": "0" * 32, **fields})
+    assert len(details) < 1100 and details.endswith("more characters)")
+    assert max(map(len, daemon.log().splitlines())) < 3000

@@ -20,6 +20,17 @@ from kvtierd.metrics import Metrics
 
 log = logging.getLogger("kvtierd.rpc")
 
+MAX_DETAILS_CHARS = 1000  # a refusal's message, which may repeat what the client sent, is clipped to this
+
+
+def clipped(message: str) -> str:
+    """The message cut to MAX_DETAILS_CHARS: gRPC sends it as response metadata, which clients refuse
+    over 16 KiB (the call would then fail with RESOURCE_EXHAUSTED instead of its status), and it goes
+    into a log line."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    return f"{message[:MAX_DETAILS_CHARS]}... ({len(message) - MAX_DETAILS_CHARS} more characters)"
+
 
 def check_sendable(response, limit: int, advice: str) -> None:
     """Refuse a response over the message limit (RESOURCE_EXHAUSTED, logged like any refusal): gRPC
@@ -81,7 +92,7 @@ def unary(method):
             response = method(self, request, context)
             return await response if inspect.isawaitable(response) else response
         except KVTierError as exc:
-            code, message = exc.code, str(exc)
+            code, message = exc.code, clipped(str(exc))
             log.warning("request refused", extra={"method": name, "code": code.name, "reason": message, "peer": context.peer()})
         except Exception:  # a bug must not take the daemon down: report INTERNAL and keep serving
             code, message = grpc.StatusCode.INTERNAL, f"internal error in {name}; see the daemon log"
