@@ -18,6 +18,7 @@ from kvtier.v1 import kvtier_pb2 as pb
 from kvtierd import admin_service
 from kvtierd.admin_service import AdminService
 from kvtierd.block_store import BlockStore
+from kvtierd.errors import ResourceExhausted
 from kvtierd.metrics import Metrics
 from kvtierd.sessions import SessionRegistry
 
@@ -235,3 +236,19 @@ def test_a_blocks_page_over_the_message_limit_is_refused_and_kvtierctl_refuses_a
     assert len(json.loads(ctl(daemon, "--json", "blocks", "--limit", "5000").stdout)["blocks"]) == 5000
     negative = ctl(daemon, "blocks", "--limit", "-1", check=False)
     assert negative.returncode == 2 and "not a positive number" in negative.stderr and "Traceback" not in negative.stderr
+
+
+def test_an_engines_list_over_the_message_limit_is_refused_with_a_reason():
+    """ListEngines answers with every session: past the message limit it is refused (RESOURCE_EXHAUSTED,
+    logged and counted like any refusal) instead of gRPC failing to send it, unlogged."""
+    sessions = SessionRegistry()
+    info = pb.GetInfoResponse(limits=pb.Limits(max_message_bytes=64 << 10))
+    store = BlockStore(num_pages=16, page_size=4096)
+    service = AdminService(store, None, sessions, Metrics(store, sessions), info)
+    for i in range(100):
+        sessions.open(pb.Hello(engine_name=f"engine-{i}-" + "e" * 240, hostname="h" * 200), "peer")
+    assert len(AdminService.ListEngines.__wrapped__(service, pb.ListEnginesRequest(), None).engines) == 100
+    for i in range(100):
+        sessions.open(pb.Hello(engine_name=f"more-{i}-" + "e" * 240, hostname="h" * 200), "peer")
+    with pytest.raises(ResourceExhausted, match="too many engines"):
+        AdminService.ListEngines.__wrapped__(service, pb.ListEnginesRequest(), None)

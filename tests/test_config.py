@@ -76,6 +76,7 @@ def test_default_socket_follows_xdg_runtime_dir(monkeypatch, tmp_path):
         (["--lease-ttl", "5000000"], "about 49.7 days"),  # (announced in milliseconds, a uint32)
         (["--max-batch-blocks", "5000000000"], "below 2\\*\\*32"),  # (announced as a uint32: a traceback at start)
         (["--max-namespaces", "0"], "max_namespaces must be >= 1"),
+        (["--max-namespaces", "200", "--max-message-size", "1MiB"], "needs a max_message_size of at least 2 MiB"),
     ],
 )
 def test_bad_options_exit_with_a_message(argv, message):

@@ -258,6 +258,7 @@ class AdminService(pb_grpc.KVTierAdminServicer):
                 stored_bytes=c.stored_bytes,
                 loaded_bytes=c.loaded_bytes,
             )
+        check_sendable(response, self.info.limits.max_message_bytes, "too many engines are connected to list them in one answer")
         return response
 
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from kvtier.paths import default_socket_path
 from kvtier.sizes import parse_size
+from kvtierd.namespace import MAX_SPEC_BYTES
+
+NAMESPACE_ANSWER_BYTES = MAX_SPEC_BYTES + 1024  # the most one namespace adds to a GetStats or ListNamespaces answer
 
 ENV_PREFIX = "KVTIERD_"
 
@@ -186,6 +189,12 @@ def _validate(config: Config) -> None:
         problems.append("max_message_size must be at least 1 MiB and below 2 GiB")
     if not (0 < config.max_batch_blocks < 1 << 32 and 0 < config.max_namespaces < 1 << 32):  # (announced as uint32s)
         problems.append("max_batch_blocks and max_namespaces must be >= 1 and below 2**32")
+    elif config.max_namespaces * NAMESPACE_ANSWER_BYTES > config.max_message_size:
+        least = -(-config.max_namespaces * NAMESPACE_ANSWER_BYTES // (1 << 20))
+        problems.append(
+            f"max_namespaces {config.max_namespaces} needs a max_message_size of at least {least} MiB "
+            f"(GetStats and ListNamespaces answer with every namespace, up to {NAMESPACE_ANSWER_BYTES} bytes each)"
+        )
     if config.fs_path and config.fs_size <= 0:
         problems.append("fs_size must be given (> 0) with fs_path")
     if config.fs_io_threads < 1:
