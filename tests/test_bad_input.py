@@ -160,7 +160,8 @@ def test_bad_inputs(env):
     big = owner.register(spec(block_bytes=20_000))
     many = chain_hashes("big", 60)
     owner.store(big, many, contents(many, 20_000))
-    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, owner.load, big, many, transport="inline", match="message limit")
+    inline = {"namespace": big.id, "hashes": b"".join(many), "transport": pb.TRANSPORT_INLINE}  # (the client library splits)
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, call, owner, "Load", **inline, match="message limit")
     assert daemon.admin("GetStats").pinned_blocks == 0  # the refused load left no pin behind
     assert daemon.admin("GetStats", namespace=big.id).tiers[0].loaded_blocks == 0  # nor counted as loaded
 

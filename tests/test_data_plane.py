@@ -199,3 +199,48 @@ def test_corrupted_pool_bytes_are_a_miss(daemon, client):
     assert inspected.stored_checksum and inspected.checksum != inspected.stored_checksum
     intact = daemon.admin("InspectBlock", namespace=ns.id, hash=hashes[2])
     assert intact.checksum == intact.stored_checksum
+
+
+@pytest.mark.parametrize("data_socket", ["true", "false"])
+def test_an_inline_store_larger_than_a_message_goes_in_commits_that_fit(start_daemon, data_socket):
+    """40 blocks of 40 kB inline (1.6 MB) against a 1 MiB message limit: the client cuts the store
+    into Commits that fit, instead of one refused RESOURCE_EXHAUSTED."""
+    daemon = start_daemon("--pool-size", "16MiB", "--max-message-size", "1MiB", "--data-socket", data_socket)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=40_000))
+        hashes = chain_hashes("inline-split", 40)
+        assert client.store(ns, hashes, contents(hashes, 40_000), transport="inline") == 40
+        assert np.array_equal(client.load(ns, hashes, transport="inline"), contents(hashes, 40_000))
+
+
+@pytest.mark.parametrize("data_socket", ["true", "false"])
+def test_a_refused_commit_leaves_nothing_reserved(start_daemon, monkeypatch, data_socket):
+    """A store whose Commit the daemon refuses (here one made too large on purpose) aborts its
+    reservation: its pages are not held, nor its blocks "being written" for other engines, until
+    --lease-ttl. (The client's calls failed past the store's op, which never got to abort.)"""
+    from kvtier.ops import SessionState  # noqa: PLC0415
+
+    monkeypatch.setattr(SessionState, "max_inline_blocks", lambda self, block_bytes: 40)
+    daemon = start_daemon(
+        "--pool-size", "16MiB", "--max-message-size", "1MiB", "--lease-ttl", "600", "--data-socket", data_socket
+    )
+    with KVTierClient(daemon.address, engine_name="a") as a, KVTierClient(daemon.address, engine_name="b") as b:
+        ns = a.register(spec(block_bytes=40_000))
+        b.register(spec(block_bytes=40_000))
+        hashes = chain_hashes("refused-commit", 40)
+        with pytest.raises(grpc.RpcError) as refused:
+            a.store(ns, hashes, contents(hashes, 40_000), transport="inline")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert daemon.admin("GetStats").reserved_bytes == 0
+        assert b.store(ns, hashes[:20], contents(hashes[:20], 40_000)) == 20
+
+    async def refused_with_asyncio() -> None:
+        async with AsyncKVTierClient(daemon.address, engine_name="aio") as client:
+            ns = await client.register(spec(block_bytes=40_000))
+            with pytest.raises(grpc.RpcError):
+                await client.store(ns, hashes, contents(hashes, 40_000), transport="inline")
+            assert daemon.admin("GetStats").reserved_bytes == 0
+
+    monkeypatch.setattr(SessionState, "max_inline_blocks", lambda self, block_bytes: 30)  # (over 1 MiB: 1.2 MB)
+    hashes = chain_hashes("refused-commit-aio", 40)
+    asyncio.run(refused_with_asyncio())

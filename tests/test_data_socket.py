@@ -329,7 +329,10 @@ def test_connections_of_threads_that_ended_are_closed(start_daemon):
         assert len(client.data_socket._connections) <= 2  # this thread's and the last thread's
 
 
-def test_a_request_over_the_message_limit_is_refused_without_losing_the_session(start_daemon):
+def test_a_request_over_the_message_limit_is_refused_without_losing_the_session(start_daemon, monkeypatch):
+    from kvtier.ops import SessionState  # noqa: PLC0415
+
+    monkeypatch.setattr(SessionState, "max_inline_blocks", lambda self, block_bytes: 5)  # (else split to fit)
     daemon = start_daemon("--pool-size", "64MiB", "--max-message-size", "1MiB")
     with KVTierClient(daemon.address) as client:
         ns = client.register(spec(block_bytes=256 << 10))

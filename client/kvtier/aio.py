@@ -86,13 +86,19 @@ class AsyncKVTierClient:
     async def _run(self, op: ops.Op):
         if self._stub is None:
             raise ConnectionError("not connected")
-        response = None
+        response = error = None
         try:
             while True:
-                method, request = op.send(response)
-                response = await getattr(self._stub, method)(request, timeout=self.timeout)
+                method, request = op.send(response) if error is None else op.throw(error)
+                error = None
+                try:
+                    response = await getattr(self._stub, method)(request, timeout=self.timeout)
+                except Exception as exc:  # noqa: BLE001 (into the op, which may clean up: ops.Op)
+                    error = exc
         except StopIteration as done:
             return done.value
+        finally:
+            error = None  # (no reference cycle through this frame)
 
     async def register(self, spec: pb.NamespaceSpec, cuda_kv: pb.CudaKVCache | None = None, replaces: str = "") -> ops.Namespace:
         return await self._run(ops.register(self.state, spec, cuda_kv, replaces))

@@ -170,16 +170,22 @@ class KVTierClient:
         if self._stub is None:
             raise ConnectionError("not connected")
         timeout = self.timeout if timeout is None else timeout
-        response = None
+        response = error = None
         try:
             while True:
-                method, request = op.send(response)
-                if self._data is not None and method in MESSAGES:
-                    response = self._data.call(method, request, timeout)
-                else:
-                    response = getattr(self._stub, method)(request, timeout=timeout)
+                method, request = op.send(response) if error is None else op.throw(error)
+                error = None
+                try:
+                    if self._data is not None and method in MESSAGES:
+                        response = self._data.call(method, request, timeout)
+                    else:
+                        response = getattr(self._stub, method)(request, timeout=timeout)
+                except Exception as exc:  # noqa: BLE001 (into the op, which may clean up: ops.Op)
+                    error = exc
         except StopIteration as done:
             return done.value
+        finally:
+            error = None  # (no reference cycle through this frame)
 
     def cuda_deadline_ns(self) -> int:
         """The deadline of a cuda_ipc call starting now (see CUDA_ANSWER_GRACE_S)."""

@@ -5,6 +5,7 @@ awaits, so both share every line of request building, validation and pool copyin
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from kvtier import checksum
 from kvtier.pool_view import PoolMapping, decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 
-Op = Generator[tuple[str, object], object, object]
+Op = Generator[tuple[str, object], object, object]  # yields (method, request), is sent the response, or
+# thrown the call's error (an op may catch it to clean up, as a store aborts its reservation)
+INLINE_OVERHEAD_BYTES = 64 << 10  # room left in an inline Commit beside its blocks' bytes
 BATCH_QUERIES_FACTOR = 16  # a LookupBatch holds up to this many times max_batch_blocks hashes in all
 
 TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "inline": pb.TRANSPORT_INLINE}
@@ -73,6 +76,11 @@ class SessionState:
     limits: pb.Limits | None = None
     _mapping: PoolMapping | None = None
     _mapped_pool_id: str = ""
+
+    def max_inline_blocks(self, block_bytes: int) -> int:
+        """The most blocks whose bytes fit one message to the daemon, beside the rest of it (at least one)."""
+        limit = self.limits.max_message_bytes if self.limits is not None and self.limits.max_message_bytes else 64 << 20
+        return max(1, (limit - INLINE_OVERHEAD_BYTES) // block_bytes)
 
     @property
     def max_batch_blocks(self) -> int:
@@ -181,20 +189,23 @@ def release(state: SessionState, *lease_ids: int) -> Op:
     yield "Release", pb.ReleaseRequest(session_id=state.session_id, more_lease_ids=lease_ids)
 
 
-def split_hashes(state: SessionState, ns: Namespace, hashes) -> list[bytes]:
-    """`hashes` in runs of at most the daemon's max_batch_blocks (a call over it is refused)."""
-    joined, step = join_hashes(hashes), state.max_batch_blocks * ns.hash_bytes
+def split_hashes(state: SessionState, ns: Namespace, hashes, most: int = 0) -> list[bytes]:
+    """`hashes` in runs of at most the daemon's max_batch_blocks (a call over it is refused), or of
+    `most` when fewer."""
+    joined, step = join_hashes(hashes), min(state.max_batch_blocks, most or state.max_batch_blocks) * ns.hash_bytes
     return [joined[i : i + step] for i in range(0, len(joined), step)] or [b""]
 
 
 def load(state: SessionState, ns: Namespace, hashes=b"", lease_id: int = 0, transport: str = "shm") -> Op:
     """Bytes of the leading present blocks as a [n, block_bytes] uint8 array (a copy). The prefix ends
     before the first block whose bytes do not match their stored checksum (a corrupt block is a miss).
-    Many hashes go in several calls (max_batch_blocks), the next only if the one before loaded all."""
+    Many hashes go in several calls (max_batch_blocks; inline, as many blocks as one answer holds), the
+    next only if the one before loaded all."""
     if lease_id:
         return (yield from _load(state, ns, b"", lease_id, transport))
     loaded = []
-    for run in split_hashes(state, ns, hashes):
+    most = state.max_inline_blocks(ns.block_bytes) if transport == "inline" else 0
+    for run in split_hashes(state, ns, hashes, most):
         blocks = yield from _load(state, ns, run, 0, transport)
         loaded.append(blocks)
         if len(blocks) < len(run) // ns.hash_bytes:
@@ -319,6 +330,8 @@ def store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np.
     if data.shape != (len(hashes), ns.block_bytes):
         raise ValueError(f"data shape {data.shape} does not match {len(hashes)} blocks of {ns.block_bytes} bytes")
     committed, limit = 0, state.max_batch_blocks
+    if transport == "inline":  # (each Commit carries its blocks' bytes)
+        limit = min(limit, state.max_inline_blocks(ns.block_bytes))
     for start in range(0, len(hashes), limit):
         committed += yield from _store(state, ns, hashes[start : start + limit], data[start : start + limit], transport)
     return committed
@@ -329,11 +342,12 @@ def _store(state: SessionState, ns: Namespace, hashes: Sequence[bytes], data: np
     if not reservation.id:
         return 0
     chosen = data[reservation.reserved_indices]
-    if transport == "inline":
-        return (yield from commit(state, reservation.id, np.ascontiguousarray(chosen).tobytes()))
     try:
+        if transport == "inline":
+            return (yield from commit(state, reservation.id, np.ascontiguousarray(chosen).tobytes()))
         state.pool().view.write_blocks(reservation.page_ids, chosen)
-    except BaseException:
-        yield from abort(state, reservation.id)
+        return (yield from commit(state, reservation.id, checksums=checksum.block_checksums(chosen)))
+    except Exception:  # (a failed write or Commit: the blocks are not left "being written" until --lease-ttl)
+        with contextlib.suppress(Exception):  # (ended already: committed after all, or with the session)
+            yield from abort(state, reservation.id)
         raise
-    return (yield from commit(state, reservation.id, checksums=checksum.block_checksums(chosen)))
