@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from blocks import chain_hashes, contents, spec
 
+from kvtier import checksum
 from kvtier.client import KVTierClient
 from kvtier.v1 import kvtier_pb2 as pb
 
@@ -248,3 +249,27 @@ def test_a_refusal_repeating_a_huge_value_keeps_its_status_and_a_short_message(e
         details = expect(code, call, owner, method, **{"namespace": "0" * 32, **fields})
     assert len(details) < 1100 and details.endswith("more characters)")
     assert max(map(len, daemon.log().splitlines())) < 3000
+
+
+def test_commit_checks_the_checksums_given_with_its_data(env):
+    """Commit with data and checksums: checksums of the wrong size are refused as without data
+    (they were ignored), and checksums that the data do not match are DATA_LOSS (damaged on the way),
+    nothing committed; matching ones (or 0, no checksum, for a block) commit."""
+    _, owner, _ = env
+    ns = owner.register(spec(block_bytes=4096))
+    hashes = chain_hashes("commit-with-checksums", 2)
+    data = contents(hashes, 4096)
+    sums = checksum.block_checksums(data)
+    for bad, code, match in [
+        (b"x" * 7, grpc.StatusCode.INVALID_ARGUMENT, "2 blocks need 16"),
+        (checksum.encode(sums[:1]), grpc.StatusCode.INVALID_ARGUMENT, "2 blocks need 16"),
+        (checksum.encode(sums[::-1]), grpc.StatusCode.DATA_LOSS, "2 of 2 blocks' data do not match"),
+    ]:
+        reservation = owner.reserve(ns, hashes)
+        commit = {"reservation_id": reservation.id, "data": data.tobytes(), "checksums": bad}
+        expect(code, call, owner, "Commit", **commit, match=match)
+        owner.abort(reservation.id)
+    reservation = owner.reserve(ns, hashes)
+    given = checksum.encode([sums[0], 0])
+    assert call(owner, "Commit", reservation_id=reservation.id, data=data.tobytes(), checksums=given).committed_count == 2
+    assert np.array_equal(owner.load(ns, hashes), data)

@@ -500,21 +500,25 @@ class DataService(pb_grpc.KVTierServicer):
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:  # noqa: N802
         session = self.sessions.get(request.session_id)
         reservation = self.store.reservation(session.id, request.reservation_id)
-        ns = reservation.namespace
-        if request.data:
-            expected = len(reservation.blocks) * ns.block_bytes
-            if len(request.data) != expected:
-                raise InvalidArgument(
-                    f"commit data has {len(request.data)} bytes; the reservation's {len(reservation.blocks)} blocks "
-                    f"of {ns.block_bytes} bytes need exactly {expected}"
-                )
-            blocks = np.frombuffer(request.data, dtype=np.uint8).reshape(len(reservation.blocks), ns.block_bytes)
-            self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, ns.pages_per_block), blocks)
-            sums = checksum.block_checksums(blocks)
-        else:
-            sums = checksum.decode(request.checksums) if len(request.checksums) % 8 == 0 else None
-            if sums is None:
-                raise InvalidArgument(f"checksums field has {len(request.checksums)} bytes, not a multiple of 8")
+        ns, count = reservation.namespace, len(reservation.blocks)
+        given = None  # (none: the blocks keep no checksum, unless the daemon computes them from `data`)
+        if request.checksums:
+            if len(request.checksums) != 8 * count:
+                raise InvalidArgument(f"checksums field has {len(request.checksums)} bytes; {count} blocks need {8 * count}")
+            given = checksum.decode(request.checksums)
+        if not request.data:
+            return pb.CommitResponse(committed_count=self._commit(session, reservation, given))
+        expected = count * ns.block_bytes
+        if len(request.data) != expected:
+            raise InvalidArgument(
+                f"commit data has {len(request.data)} bytes; the reservation's {count} blocks "
+                f"of {ns.block_bytes} bytes need exactly {expected}"
+            )
+        blocks = np.frombuffer(request.data, dtype=np.uint8).reshape(count, ns.block_bytes)
+        sums = checksum.block_checksums(blocks)
+        if given is not None and (bad := checksum.mismatched(sums, given)).any():
+            raise DataLoss(f"{int(bad.sum())} of {count} blocks' data do not match the checksums given; nothing committed")
+        self.pool.view.write_blocks(decode_page_ids(reservation.page_ids, ns.pages_per_block), blocks)
         return pb.CommitResponse(committed_count=self._commit(session, reservation, sums))
 
     def _commit(self, session: Session, reservation, sums: np.ndarray) -> int:
