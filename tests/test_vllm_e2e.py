@@ -291,3 +291,49 @@ def test_no_cross_hits_between_salts_models_or_dtypes(model, other_model, workdi
     assert len({n.spec.kv_dtype for n in namespaces}) == 2 and len({n.spec.model_id for n in namespaces}) == 2
     assert len(namespaces) == 3
     assert all(ns.tiers[0].hits == 0 for ns in kvtierd.admin("GetStats").namespaces)
+
+
+def write_lora_adapter(path: Path, model: Path, seed: int, rank: int = 8) -> None:
+    """A PEFT LoRA adapter of the model's q and v projections with random weights (a fixed seed)."""
+    import json  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    config = json.loads((model / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    outputs = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    rng, tensors = np.random.default_rng(seed), {}
+    for layer in range(config["num_hidden_layers"]):
+        for projection, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{projection}"
+            tensors[f"{name}.lora_A.weight"] = rng.normal(0, 0.3, (rank, hidden)).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.3, (out, rank)).astype(np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(outputs), "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps({**adapter_config, "task_type": "CAUSAL_LM", "lora_dropout": 0.0}))
+
+
+def test_a_lora_adapter_rewritten_under_its_path_never_gets_the_old_adapters_blocks(model, workdir, kvtierd):
+    """vLLM hashes an adapter by its name and path only, and kvtierd's blocks outlive engines: an
+    adapter retrained and written over the same path must not load the old one's KV. Engine A
+    stores with adapter v1; engine B, with v1 again, hits and gives A's tokens; engine C, with v2
+    written over the same path, gets no hit (its output is then its own recompute) and other tokens."""
+    adapter = workdir / "lora-adapter"
+    lora_prompt = {**SHARED[0], "lora": {"name": "tuned", "id": 1, "path": str(adapter)}}
+
+    def run(name: str) -> dict:
+        result = run_engine(workdir, name, model, [{"prompts": [lora_prompt]}], connector=connector(kvtierd), max_lora_rank=8)
+        return result["phases"][0][0]
+
+    write_lora_adapter(adapter, model, seed=1)
+    a = run("lora-a")
+    assert a["num_cached_tokens"] == 0
+    stored = len(SHARED[0]["tokens"]) // BLOCK
+    assert wait_for_blocks(kvtierd, stored) == stored
+    b = run("lora-b")
+    assert b["num_cached_tokens"] == external_hit_tokens(SHARED[0]) and b["tokens"] == a["tokens"]
+    write_lora_adapter(adapter, model, seed=2)  # retrained, same name and path
+    c = run("lora-c")
+    assert c["num_cached_tokens"] == 0 and c["tokens"] != a["tokens"]

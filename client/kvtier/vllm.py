@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvtier.engine.adapter_keys import AdapterKeys
 from kvtier.engine.jobs import StepPlan
 from kvtier.engine.kv_blocks import LayerMajorKV
 from kvtier.engine.link import DaemonLink
@@ -286,6 +287,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._unsupported = False
         self._transfers: BlockTransfers | None = None
         self._requests: dict[str, Any] = {}
+        self._adapter_keys = AdapterKeys()  # a LoRA request's keys carry its adapter's files
         self._failed_loads: set[str] = set()
         self._vllm_config = vllm_config
         self._link.connect_soon(map_pool=role == KVConnectorRole.WORKER and not _on_gpu(vllm_config))
@@ -353,12 +355,15 @@ class KVTierConnector(KVConnectorBase_V1):
         planner = self._scheduler_planner()
         if planner is None:
             return 0, False
+        hashes = self._adapter_keys.keys(request.request_id, getattr(request, "lora_request", None), request.block_hashes)
+        if hashes is None:  # (an adapter with no local files to tell its versions apart)
+            return 0, False
         self._requests[request.request_id] = request
         params = getattr(request, "kv_transfer_params", None) or {}
         max_offload = params.get("max_offload_tokens")
         return planner.matched_tokens(
             request.request_id,
-            request.block_hashes,
+            hashes,
             request.num_prompt_tokens,
             num_computed_tokens,
             int(max_offload) if max_offload is not None else None,
@@ -385,7 +390,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_ids = block_state.get_block_ids(req_id)[0]
             else:
                 block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            scheduled.append((req_id, request.num_computed_tokens + tokens, request.block_hashes, list(block_ids)))
+            hashes = self._adapter_keys.keys(req_id, getattr(request, "lora_request", None), request.block_hashes)
+            scheduled.append((req_id, request.num_computed_tokens + tokens, hashes, list(block_ids)))
         return KVTierMetadata(planner.plan_step(scheduled, fresh))
 
     @guarded(default=False)
@@ -410,6 +416,7 @@ class KVTierConnector(KVConnectorBase_V1):
     @guarded(default=lambda: (False, None))
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._adapter_keys.forget(request.request_id)
         # An unfinished load delays the free; stores never do (see PrefixPlanner.finished).
         loading = self._planner is not None and self._planner.finished(request.request_id)
         return loading, None

@@ -4,8 +4,9 @@
 
 SPEC: {"model", "dtype", "kv_bytes", "max_tokens", "connector": null | {kvtier extra config},
        "kv_transfer": null | {KVTransferConfig arguments, for other connectors},
-       "multiprocess": bool, "block_size": int | null,
-       "phases": [{"prompts": [{"tokens": [...], "cache_salt": str | null}], "wait_for": path | null,
+       "multiprocess": bool, "block_size": int | null, "max_lora_rank": int | null (LoRA enabled),
+       "phases": [{"prompts": [{"tokens": [...], "cache_salt": str | null,
+                                "lora": null | {"name", "id", "path"}}], "wait_for": path | null,
                    "reset_prefix_cache": bool}]}
 Before each phase with "wait_for", it prints "WAITING <i>" and waits for that file to exist; before
 one with "reset_prefix_cache", it resets vLLM's prefix cache and the connector's (as after a weight
@@ -38,6 +39,8 @@ def main(spec_path: str, result_path: str) -> None:
             kv_connector_extra_config=spec["connector"],
         )
     extra = {"block_size": spec["block_size"]} if spec.get("block_size") else {}
+    if spec.get("max_lora_rank"):
+        extra.update(enable_lora=True, max_lora_rank=spec["max_lora_rank"], max_loras=1)
     started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -64,8 +67,13 @@ def main(spec_path: str, result_path: str) -> None:
             fields = {"prompt_token_ids": prompt["tokens"]}
             if prompt.get("cache_salt"):
                 fields["cache_salt"] = prompt["cache_salt"]
+            lora = None
+            if prompt.get("lora"):
+                from vllm.lora.request import LoRARequest  # noqa: PLC0415
+
+                lora = LoRARequest(prompt["lora"]["name"], prompt["lora"]["id"], prompt["lora"]["path"])
             begun = time.perf_counter()
-            out = llm.generate([TokensPrompt(**fields)], params, use_tqdm=False)[0]
+            out = llm.generate([TokensPrompt(**fields)], params, use_tqdm=False, lora_request=lora)[0]
             outputs.append(
                 {
                     "tokens": list(out.outputs[0].token_ids),

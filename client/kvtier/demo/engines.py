@@ -66,8 +66,10 @@ def start_engine(
     kv_bytes: int = 32 << 20,
     max_tokens: int = 8,
     max_model_len: int = 4096,
+    max_lora_rank: int = 0,
 ) -> Engine:
     spec = {
+        "max_lora_rank": max_lora_rank,
         "model": str(model),
         "dtype": dtype,
         "kv_bytes": kv_bytes,
