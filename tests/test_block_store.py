@@ -337,3 +337,20 @@ def test_a_reserve_that_cannot_fit_evicts_nothing_for_it():
     two = store.reserve("a", small, chain_hashes("two", 5)).statuses.tolist()
     assert two == [pb.BLOCK_STATUS_RESERVED] * 3 + [pb.BLOCK_STATUS_NO_SPACE] * 2
     assert_accounting(store)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_a_block_answered_present_is_not_evicted_by_the_same_reserve(eviction):
+    """A pool full of a prefix's first blocks; another engine reserves the prefix one block longer:
+    the blocks it is told are PRESENT ("nothing to do") stay, and the new block gets NO_SPACE, rather
+    than the oldest present block making room for it (the engine never stored it again, and the
+    whole prefix was unreachable)."""
+    store = BlockStore(num_pages=4, page_size=4096, eviction=eviction)
+    ns = store.register(spec(block_bytes=4096))
+    chain = chain_hashes("present-kept", 5)
+    store.commit("a", store.reserve("a", ns, chain[:4]).reservation.id)
+    result = store.reserve("b", ns, chain)
+    assert result.statuses.tolist() == [pb.BLOCK_STATUS_PRESENT] * 4 + [pb.BLOCK_STATUS_NO_SPACE]
+    assert result.reservation is None and store.lookup("b", ns, chain, pin=False)[0] == 4
+    other = store.reserve("b", ns, chain[3:4] + chain_hashes("other", 1))  # room made of blocks not in the batch
+    assert other.statuses.tolist() == [pb.BLOCK_STATUS_PRESENT, pb.BLOCK_STATUS_RESERVED] and chain[3] in ns.blocks

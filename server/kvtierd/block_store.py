@@ -398,9 +398,11 @@ class BlockStore:
             statuses[refused] = pb.BLOCK_STATUS_NOT_ADMITTED
             wanted = np.flatnonzero(statuses == pb.BLOCK_STATUS_RESERVED)
         ppb = ns.pages_per_block
-        evictable = self.pages.used - self._reserved_pages - self._pinned_pages  # committed, unpinned
-        fit = min(len(wanted), (self.pages.free + evictable) // ppb)
-        self._make_room(fit * ppb)  # (only for blocks that fit: evicting for the others gains nothing)
+        present = [hashes[i] for i in np.flatnonzero(statuses == pb.BLOCK_STATUS_PRESENT).tolist()]
+        with self.held(ns, present):  # (answered PRESENT: not evicted to make room for the rest of the batch)
+            evictable = self.pages.used - self._reserved_pages - self._pinned_pages  # committed, unpinned
+            fit = min(len(wanted), (self.pages.free + evictable) // ppb)
+            self._make_room(fit * ppb)  # (only for blocks that fit: evicting for the others gains nothing)
         fit = min(fit, self.pages.free // ppb)
         statuses[wanted[fit:]] = pb.BLOCK_STATUS_NO_SPACE
         if fit == 0:
