@@ -244,3 +244,25 @@ def test_a_refused_commit_leaves_nothing_reserved(start_daemon, monkeypatch, dat
     monkeypatch.setattr(SessionState, "max_inline_blocks", lambda self, block_bytes: 30)  # (over 1 MiB: 1.2 MB)
     hashes = chain_hashes("refused-commit-aio", 40)
     asyncio.run(refused_with_asyncio())
+
+
+@pytest.mark.parametrize("data_socket", ["true", "false"])
+def test_inline_loads_of_many_small_blocks_fit_the_message_limit(start_daemon, data_socket):
+    """Each block of an inline answer brings an 8-byte checksum besides its bytes: 15,000 blocks of
+    64 bytes went over a 1 MiB limit (the client and the daemon counted the bytes alone)."""
+    daemon = start_daemon(
+        "--pool-size", "128MiB", "--page-size", "4096", "--max-message-size", "1MiB", "--max-batch-blocks", "100000",
+        "--data-socket", data_socket,
+    )  # fmt: skip
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=64))
+        hashes = chain_hashes("small-inline", 15_360)  # ((1 MiB - 64 KiB) // 64: the bytes alone would fit)
+        data = contents(hashes, 64)
+        assert client.store(ns, hashes, data) == len(hashes)
+        assert np.array_equal(client.load(ns, hashes, transport="inline"), data)
+        expect_refused = pb.LoadRequest(
+            session_id=client.state.session_id, namespace=ns.id, hashes=b"".join(hashes), transport=pb.TRANSPORT_INLINE
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            client._stub.Load(expect_refused, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in refused.value.details()

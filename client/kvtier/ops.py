@@ -78,9 +78,10 @@ class SessionState:
     _mapped_pool_id: str = ""
 
     def max_inline_blocks(self, block_bytes: int) -> int:
-        """The most blocks whose bytes fit one message to the daemon, beside the rest of it (at least one)."""
+        """The most blocks whose bytes and checksums (8 bytes each) fit one message to or from the
+        daemon, beside the rest of it (at least one)."""
         limit = self.limits.max_message_bytes if self.limits is not None and self.limits.max_message_bytes else 64 << 20
-        return max(1, (limit - INLINE_OVERHEAD_BYTES) // block_bytes)
+        return max(1, (limit - INLINE_OVERHEAD_BYTES) // (block_bytes + 8))
 
     @property
     def max_batch_blocks(self) -> int:

@@ -396,7 +396,7 @@ class DataService(pb_grpc.KVTierServicer):
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
         ns = lease.namespace
         try:
-            size = len(lease.blocks) * ns.block_bytes
+            size = len(lease.blocks) * (ns.block_bytes + 8)  # (the bytes, and a checksum each)
             if size > self.limits.max_message_bytes - _MESSAGE_OVERHEAD:
                 raise ResourceExhausted(
                     f"inline load of {size} bytes exceeds the message limit of {self.limits.max_message_bytes} "
