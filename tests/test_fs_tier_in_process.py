@@ -878,3 +878,63 @@ def test_a_file_that_fails_to_read_is_removed_not_left_unlisted(tmp_path, monkey
         assert t.ns.counters.stored_blocks == stored and t.fs.index.counters[t.ns.id].loaded_blocks == 0  # (not counted)
 
     run_with_tiers(tmp_path, body)
+
+
+def test_a_cleared_namespace_has_no_file_left_once_gone_returns(tmp_path):
+    """A block of the cleared namespace evicted from disk for another namespace's write that still
+    waits behind queued writes: its file, out of the index, is still there. Clear must not answer
+    before it is gone (a daemon killed then would index and serve it again)."""
+    a1, a2 = chain_hashes("clear-a", 2)
+    b = chain_hashes("clear-b", 5)
+    found_again = {}
+
+    async def body(t: Tiers) -> None:
+        ns_a = t.ns
+        ns_b = t.store.register(spec(block_bytes=ns_a.block_bytes, model_id="other-model"))
+        await t.put(a1, 0)
+        await t.put(a2, 0)
+        t.ns = ns_b
+        for i, block_hash in enumerate(b[:4]):
+            await t.put(block_hash, max(0, i - 1))  # b[2], b[3] evict a1, a2 from the pool: both on disk
+        while len(t.fs.index) < 2 or t.fs._jobs:
+            await asyncio.sleep(0.005)
+        assert t.fs.index.get(ns_a.id, a1) and t.fs.index.get(ns_a.id, a2)
+        gate = hold_io_threads(t.fs, readers=False)
+        try:
+            await t.put(b[4], 0)  # evicts b[0] from the pool (B's oldest); its write (held) evicts a1's file from the tier
+            assert t.fs.index.get(ns_a.id, a1) is None and block_path(t.fs.root, ns_a.id, a1).exists()
+            deletion = t.fs.clear(ns_a.id)  # as the admin Clear does
+            await asyncio.wait_for(t.fs.gone(deletion), 5)  # the Clear answers now
+            # the daemon is killed here: what does its next start find?
+            fresh = FsTier(t.fs.settings, t.pool, BlockStore(num_pages=4, page_size=ns_a.block_bytes))
+            fresh.open()
+            found_again["a1"] = fresh.index.get(ns_a.id, a1) is not None
+            found_again["a2"] = fresh.index.get(ns_a.id, a2) is not None
+            fresh.executor.shutdown()
+        finally:
+            gate.set()
+
+    run_with_tiers(tmp_path, body)
+    assert found_again == {"a1": False, "a2": False}, found_again
+
+
+def test_an_evicted_block_name_holding_a_directory_is_replaced_without_pausing_stores(tmp_path):
+    """A directory put by hand under an evicted block's name, reused for a new block's file: it is
+    removed and a new file written (unlinking it failed, and the whole tier paused its stores)."""
+    a, b, c, d, e, f, g = chain_hashes("dir-reuse", 7)
+    outcome = {}
+
+    async def body(t: Tiers) -> None:
+        await t.demote_first([a, b, c, d, e])  # A on disk
+        await t.put(f, 2)  # B on disk: the tier is full, A its least recently used
+        path = t.path(a)
+        path.unlink()
+        path.mkdir()  # (put there by hand, as the FIFO of the commit's own test)
+        await t.put(g, 0)  # C's demotion evicts A and reuses its "file"
+        await t.settle()
+        outcome.update(
+            paused=t.fs.health.paused, write_errors=t.fs.health.write_errors, c_on_disk=t.fs.index.get(t.ns.id, c) is not None
+        )
+
+    run_with_tiers(tmp_path, body)
+    assert outcome == {"paused": False, "write_errors": 0, "c_on_disk": True}, outcome

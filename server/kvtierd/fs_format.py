@@ -275,8 +275,15 @@ def _open_temporary(temporary: Path, reuse: Path | None, flags: int) -> int:
             fd = _open_regular(temporary, flags)
             if fd is not None:
                 return fd
-            os.unlink(temporary)  # not a file we can write over (a FIFO put there by hand, say): a new one
+            _remove_any(temporary)  # not a file we can write over (a FIFO or directory put there by hand): a new one
     return os.open(temporary, flags | os.O_CREAT | os.O_EXCL, 0o600)
+
+
+def _remove_any(path: Path) -> None:
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _open_regular(path: Path, flags: int) -> int | None:

@@ -152,6 +152,7 @@ class Deletion:
 
     hashes: dict[str, set[bytes]] = field(default_factory=lambda: defaultdict(set))
     keys: list[Key] = field(default_factory=list)
+    removal: asyncio.Future | None = None  # of the files of its blocks that other jobs were to remove
 
 
 class FsTier:
@@ -650,7 +651,8 @@ class FsTier:
                 cancelled.append((ns_id, block_hash))
             if (ns_id, block_hash) in self._promotions:
                 self._deleted_while_promoted.add((ns_id, block_hash))
-        return self._delete_entries(entries, cancelled)
+        wanted = {self._path_of(ns_id, h) for h in hashes}
+        return self._delete_entries(entries, cancelled, [path for path in self._removals if path in wanted])
 
     def clear(self, ns_id: str | None) -> Deletion:
         """Delete every block of a namespace (or all); `gone` waits for their files."""
@@ -660,12 +662,21 @@ class FsTier:
             if ns_id is None or key[0] == ns_id:
                 job.cancelled = True
                 cancelled.append(key)
-        return self._delete_entries(self.index.entries(ns_id), cancelled)
+        pending = [path for path in self._removals if ns_id is None or path.parent.parent.name == ns_id]
+        return self._delete_entries(self.index.entries(ns_id), cancelled, pending)
 
-    def _delete_entries(self, entries: list[FsEntry], cancelled: list[Key]) -> Deletion:
+    def _delete_entries(self, entries: list[FsEntry], cancelled: list[Key], pending: list[Path]) -> Deletion:
         """Take the blocks out of the index and remove their files on the remover thread (not behind
-        queued writes)."""
+        queued writes). Files of the deleted blocks out of the index already whose removal waits for
+        another job (`pending`: evicted for a write still queued) are removed now too; that job then
+        finds them gone (a write that was to reuse one makes a new file)."""
         deleted = Deletion()
+        indexed = {self._path(e) for e in entries}
+        pending = [path for path in pending if path not in indexed]
+        if pending:
+            deleted.removal = self._run(self._unlink_all, pending, executor=self.remover)
+            for path in pending:  # (a new file of that name still waits for the other job too)
+                self._removing_by([path], _when_both(self._removals[path], deleted.removal))
         for entry in entries:
             self.index.remove(entry)
             deleted.hashes[entry.namespace].add(entry.hash)
@@ -682,6 +693,8 @@ class FsTier:
         while True:
             pending = {self._removals.get(self._path_of(*key)) for key in deletion.keys}
             pending |= {job.written for key in deletion.keys if (job := self._writes.get(key)) is not None and job.cancelled}
+            if deletion.removal is not None and not deletion.removal.done():
+                pending.add(deletion.removal)
             pending.discard(None)
             if not pending:
                 return
@@ -805,6 +818,19 @@ def _fsync_directories(directories: set[Path]) -> None:
             fsync_directory(directory)
         except FileNotFoundError:  # removed by hand meanwhile: nothing of it left to make durable
             pass
+
+
+def _when_both(first: asyncio.Future, second: asyncio.Future) -> asyncio.Future:
+    """A future done (with None) once both are, whatever their outcomes."""
+    both = asyncio.get_running_loop().create_future()
+
+    def check(_: asyncio.Future) -> None:
+        if first.done() and second.done() and not both.done():
+            both.set_result(None)
+
+    first.add_done_callback(check)
+    second.add_done_callback(check)
+    return both
 
 
 def _pass_on(target: asyncio.Future, source: asyncio.Future) -> None:
