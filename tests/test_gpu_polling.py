@@ -237,3 +237,37 @@ def test_a_loads_meanwhile_failing_goes_up_only_once_the_copy_has_landed():
     copy, failed_at, closed_early, registration = run_on_virtual_clock(main())
     assert failed_at >= copy.end and copy.checks[-1] >= copy.end  # not before the copy landed
     assert not closed_early and registration.in_flight == 0 and registration.closed.is_set()
+
+
+class ReadyEvent:
+    """An engine's ready event, as the daemon queries it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_store_whose_forward_ends_as_the_daemon_shuts_down_launches_nothing():
+    """A store waits for its engine's forward when the daemon shuts its GPU side down, and the forward
+    ends in that same turn: its copy must not start (it would read through mappings and write pool
+    pages the shutdown lets go); the registration closes once the call has ended."""
+    launched: list[list] = []
+
+    async def main() -> BaseException | None:
+        transfers, registration = transfers_with(lambda reg, *_: launched.append(list(reg.storages)))
+        registration.storages.append(object())  # (an opened allocation)
+        ready = ReadyEvent()
+        store = asyncio.ensure_future(transfers.store(registration, np.arange(1), np.zeros((1, 1), np.int64), ready))
+        await asyncio.sleep(0.01)  # the store polls the ready event
+        transfers.close()
+        ready.done = True
+        try:
+            await store
+        except gpu_transfers.FailedPrecondition as refused:
+            assert registration.closed.is_set() and registration.storages == []
+            return refused
+        return None
+
+    assert asyncio.run(main()) is not None and launched == []

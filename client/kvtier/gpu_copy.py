@@ -225,6 +225,7 @@ def launch_copy(
     n = len(block_ids)
     if n == 0:
         return LaunchedCopy.of_nothing(None)
+    call = None
     try:
         with torch.cuda.device(lane.device):
             plan = None if to_pool else _load_in_place(layout, block_ids, pool_address, page_ids, lane)
@@ -240,7 +241,7 @@ def launch_copy(
                         call.launch(layout, pool_address, first, end - first, CHECK_IN_PLACE)
             return LaunchedCopy(_recorded(lane.kernel), call.memory, call.sums)
     except Exception as exc:
-        raise LaunchFailed(_lane_drained(lane)) from exc
+        raise LaunchFailed(_lane_drained(lane, call)) from exc
 
 
 def _load_in_place(
@@ -391,11 +392,16 @@ def _chunk_starts(n: int, block_bytes: int, min_blocks: int) -> list[int]:
     return starts
 
 
-def _lane_drained(lane: CopyLane) -> LaunchedCopy:
-    """A copy of nothing that is done once everything enqueued on the lane so far has landed."""
+def _lane_drained(lane: CopyLane, call: _Call | None = None) -> LaunchedCopy:
+    """A copy of nothing that is done once everything enqueued on the lane so far has landed; it keeps
+    `call`'s pinned arrays, which kernels launched before a failure still read and write, until then
+    (freed, torch's pinned-memory cache would hand them to the next call at once)."""
     with torch.cuda.device(lane.device):
         lane.kernel.wait_event(_recorded(lane.dma))
-        return LaunchedCopy.of_nothing(_recorded(lane.kernel))
+        drained = LaunchedCopy.of_nothing(_recorded(lane.kernel))
+        if call is not None:
+            drained.call = call.memory
+        return drained
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -232,6 +232,8 @@ class GpuTransfers:
         try:
             if to_pool:
                 await _engine_ready(registration, after, deadline_ns)
+                if registration.closing:  # (its forward ended in the turn the session or the daemon ended)
+                    raise FailedPrecondition("the engine's session ended before its blocks were copied; nothing was copied")
             lane = next(self._next_lane[registration.device_index])
             now = asyncio.get_running_loop().time()
             end = self._clock.expected_end(now, lane, to_pool, len(block_ids) * registration.layout.block_bytes)
@@ -304,13 +306,14 @@ class GpuTransfers:
 
     def close(self) -> None:
         """Copies whose callers went with the event loop land before the mappings go (only the lanes
-        are waited for: nothing else of the device is ours)."""
+        are waited for: nothing else of the device is ours). A registration with a call still under
+        way (a store waiting for its engine's forward) closes when that call ends, launching nothing."""
         for lanes in self._lanes.values():
             for lane in lanes:
                 lane.dma.synchronize()
                 lane.kernel.synchronize()
         for registration in list(self._registrations.values()):
-            self._close(registration)
+            self._retire(registration)
 
 
 @dataclass
