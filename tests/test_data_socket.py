@@ -10,10 +10,12 @@ import signal
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -408,3 +410,38 @@ def test_an_answer_the_client_does_not_read_in_time_closes_its_connection(monkey
         assert time.monotonic() - started < 5 and writer.transport.is_closing()
 
     on_uvloop(check)
+
+
+def test_a_request_that_stops_halfway_closes_its_connection(monkeypatch):
+    """A request not whole within REQUEST_READ_TIMEOUT_S of its header closes its connection, so that
+    a client that stops halfway does not keep up to --max-message-size of it in the daemon's memory
+    (sixteen such connections held a GiB, for good); a whole request in time is served as usual."""
+    import uvloop
+
+    from kvtierd import data_socket
+
+    monkeypatch.setattr(data_socket, "REQUEST_READ_TIMEOUT_S", 0.3)
+
+    class Service:
+        async def Lookup(self, request, context):  # noqa: N802
+            return pb.LookupResponse(hit_count=7)
+
+    async def run(path: Path) -> None:
+        server = DataSocketServer(Service(), path, 1 << 20)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            payload = pb.LookupRequest(namespace="n").SerializeToString()
+            writer.write(REQUEST_HEADER.pack(len(payload), len(b"Lookup")) + b"Lookup" + payload)
+            answer = await asyncio.wait_for(reader.read(64), 5)
+            assert pb.LookupResponse.FromString(answer[5:]).hit_count == 7
+            writer.write(REQUEST_HEADER.pack(1 << 20, len(b"Lookup")) + b"Lookup" + b"x" * 1000)  # then nothing
+            started = time.monotonic()
+            assert await asyncio.wait_for(reader.read(64), 5) == b""  # closed by the daemon
+            assert 0.25 < time.monotonic() - started < 3
+            writer.close()
+        finally:
+            server.close()
+
+    with tempfile.TemporaryDirectory() as directory:
+        uvloop.run(run(Path(directory) / "data.sock"))

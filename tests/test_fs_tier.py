@@ -461,7 +461,7 @@ def test_disk_full_pauses_stores_and_the_ram_tier_keeps_serving(fs_daemons):
     """A real full filesystem: the daemon runs in its own mount namespace where --fs-path is a 2 MiB
     tmpfs, so writes fail with ENOSPC from the kernel (the tier's own --fs-size is far larger)."""
     directory = new_daemon_dir()
-    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"', str(directory / "fs")]
+    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=2m,mode=0700 tmpfs "$0" && exec "$@"', str(directory / "fs")]
     (directory / "fs").mkdir()
     daemon = fs_daemons("--fs-write-through", "true", directory=directory, prefix=tuple(mount))
     with KVTierClient(daemon.address) as client:
@@ -717,9 +717,10 @@ def test_a_fifo_named_like_a_block_is_a_miss_removed_and_the_daemon_still_stops(
 
 
 def test_a_block_file_is_written_anew_over_an_evicted_name_that_is_no_longer_a_file(tmp_path):
-    """The file of an evicted block reused for a new one turned out to be a FIFO: a new file is
-    written (opening the FIFO to write over it would wait for a reader for good), and reading a
-    FIFO under a block's name is a BadBlock at once."""
+    """The file of an evicted block reused for a new one turned out to be a FIFO or a symbolic link: a
+    new file is written (opening the FIFO to write over it would wait for a reader for good; the
+    link would have the daemon write over whatever it points to), and reading either under a
+    block's name is a BadBlock at once."""
     data = fs_format.aligned_empty(BLOCK)
     data[:] = np.frombuffer(block_content(b"f" * 32, BLOCK).tobytes(), dtype=np.uint8)
     old, path = tmp_path / "old.kvb", tmp_path / "block.kvb"
@@ -730,6 +731,15 @@ def test_a_block_file_is_written_anew_over_an_evicted_name_that_is_no_longer_a_f
     os.mkfifo(tmp_path / "fifo.kvb")
     with pytest.raises(fs_format.BadBlock, match="not a regular file"):
         fs_format.read_block(tmp_path / "fifo.kvb", "ns", b"f" * 32, BLOCK, [memoryview(data)], direct=False)
+    victim = tmp_path / "victim.txt"  # a link where an evicted block's file was: not followed, either way
+    victim.write_text("keep me")
+    (tmp_path / "link.kvb").symlink_to(victim)
+    link = tmp_path / "link.kvb"
+    fs_format.write_block_file(path, "ns", b"f" * 32, BLOCK, 7, 1.5e9, [memoryview(data)], direct=False, reuse=link)
+    (tmp_path / "link.kvb").symlink_to(victim)
+    with pytest.raises(fs_format.BadBlock, match="not a regular file"):
+        fs_format.read_block(tmp_path / "link.kvb", "ns", b"f" * 32, BLOCK, [memoryview(data)], direct=False)
+    assert victim.read_text() == "keep me" and path.is_file()
 
 
 def test_the_index_file_records_no_directory_changed_within_a_coarse_timestamps_tick(tmp_path):

@@ -216,6 +216,11 @@ def start_args(tmp_path, shm, *args: str) -> list[str]:
     return [sys.executable, "-m", "kvtierd", "--socket", str(tmp_path / "k.sock"), "--shm-dir", str(shm), *args]
 
 
+def run_to_end(argv: list[str]) -> subprocess.CompletedProcess:
+    """A daemon start expected to end by itself (refused), without a metrics port."""
+    return subprocess.run([*argv, "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+
+
 def leftovers(tmp_path, shm) -> list[str]:
     """Pool files and sockets a daemon left (the lock file may stay)."""
     return sorted(p.name for p in [*shm.iterdir(), *tmp_path.iterdir()] if not p.name.endswith(".lock"))
@@ -278,12 +283,7 @@ def test_a_socket_directory_another_user_made_is_refused(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o755)
     os.chown(theirs, 65534, 65534)
-    result = subprocess.run(
-        [sys.executable, "-m", "kvtierd", "--socket", str(theirs / "k.sock"), "--pool-size", "16MiB", "--metrics-port", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_to_end([sys.executable, "-m", "kvtierd", "--socket", str(theirs / "k.sock"), "--pool-size", "16MiB"])
     assert result.returncode != 0 and "belongs to another user" in result.stderr, result.stderr
     assert list(theirs.iterdir()) == []
 
@@ -332,3 +332,63 @@ def test_sigterm_while_starting_leaves_no_pool_file(tmp_path, shm):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0 and "stopped by signal" in stderr, stderr
     assert leftovers(tmp_path, shm) == []
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o770])
+def test_an_fs_path_others_may_write_in_is_refused_even_sticky(tmp_path, shm, mode):
+    """The fs tier's namespace directories have names anyone can work out (digests of engines' specs):
+    in a sticky /tmp-like directory, or one its group may write, another user could make them first
+    (and swap block files for links to files the daemon would then write over)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    result = run_to_end(start_args(tmp_path, shm, "--pool-size", "16MiB", "--fs-path", str(shared), "--fs-size", "64MiB"))
+    assert result.returncode != 0 and "writable by other users" in result.stderr, result.stderr
+    assert list(shared.iterdir()) == []
+
+
+def test_what_the_daemon_makes_is_not_writable_by_others_whatever_its_umask(tmp_path, shm):
+    """Started with umask 000, the daemon still makes its directories 0750 and files at most 0640 (the
+    fs tier's directories were 0777: anyone could swap block files for links)."""
+    fs_root = tmp_path / "fs"
+    args = start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1", "--socket", str(tmp_path / "run" / "k.sock"))
+    args += ["--fs-path", str(fs_root), "--fs-size", "64MiB", "--fs-write-through", "true"]
+    daemon = subprocess.Popen(args, preexec_fn=lambda: os.umask(0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "run" / "k.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with KVTierClient(f"unix://{tmp_path / 'run' / 'k.sock'}") as client:
+            ns = client.register(spec(block_bytes=4096))
+            hashes = chain_hashes("umask", 1)
+            client.store(ns, hashes, contents(hashes, 4096))
+            deadline = time.monotonic() + 20
+            while not list(fs_root.rglob("*.kvb")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+    made = [tmp_path / "run", fs_root, *fs_root.rglob("*")]
+    assert len(made) > 20  # (the namespace's directories, spec file, block file, index file)
+    for path in made:
+        allowed = 0o750 if path.is_dir() else 0o640
+        assert stat.S_IMODE(path.lstat().st_mode) & ~allowed == 0, f"{path}: {stat.S_IMODE(path.lstat().st_mode):o}"
+
+
+def test_something_else_named_like_a_stale_pool_file_does_not_stop_the_daemon(tmp_path, shm):
+    """Anyone can make a file or directory named like the daemon's pool files in a sticky /dev/shm (the
+    prefix comes from the socket path): the daemon leaves what is not its own file and starts (it
+    exited when it could not remove it)."""
+    from kvtierd.shm_pool import pool_file_prefix
+
+    planted = shm / (pool_file_prefix(tmp_path / "k.sock") + "planted.pool")
+    planted.mkdir()
+    daemon = subprocess.Popen(start_args(tmp_path, shm, "--pool-size", "16MiB", "--metrics-port", "-1"), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "k.sock").exists() and daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.poll() is None and (tmp_path / "k.sock").exists() and planted.is_dir()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0

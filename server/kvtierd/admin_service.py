@@ -188,23 +188,19 @@ class AdminService(pb_grpc.KVTierAdminServicer):
         on_disk = self.fs is not None and self.fs.index.get(ns.id, request.hash) is not None
         if tier == RAM_TIER or (tier == "" and (request.hash in ns.blocks or not on_disk)):
             block = self.store.find_block(ns, request.hash)
-            data = self.pool.view.read_blocks(decode_page_ids(block.pages, ns.pages_per_block), ns.block_bytes)
-            return pb.InspectBlockResponse(
-                block=_PoolFigures.of(self.store, [block]).info(block, 0),
-                page_ids=block.pages,
-                checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
-                stored_checksum=int(self.store.checksum[block.slot]),
-                checksum=int(checksum.block_checksums(data)[0]),
-            )
-        if len(request.hash) != ns.hash_bytes:
-            raise InvalidArgument(f"hash has {len(request.hash)} bytes; the namespace's hashes have {ns.hash_bytes}")
-        entry, data, header = await self.fs.inspect(ns, request.hash)
-        return pb.InspectBlockResponse(
-            block=self._fs_info(entry),
-            checksum_xxh3=xxhash.xxh3_64_hexdigest(data),
-            stored_checksum=header.checksum,
-            checksum=int(checksum.block_checksums(data[np.newaxis])[0]),
-        )
+            info, stored = _PoolFigures.of(self.store, [block]).info(block, 0), int(self.store.checksum[block.slot])
+            pages = decode_page_ids(block.pages, ns.pages_per_block)
+            with self.store.held(ns, [request.hash]):  # (read on a thread: a block may be GiBs)
+                xxh3, computed = await asyncio.to_thread(lambda: _digests(self.pool.view.read_blocks(pages, ns.block_bytes)))
+            response = pb.InspectBlockResponse(block=info, page_ids=block.pages, stored_checksum=stored)
+        else:
+            if len(request.hash) != ns.hash_bytes:
+                raise InvalidArgument(f"hash has {len(request.hash)} bytes; the namespace's hashes have {ns.hash_bytes}")
+            entry, data, header = await self.fs.inspect(ns, request.hash)
+            xxh3, computed = await asyncio.to_thread(_digests, data[np.newaxis])
+            response = pb.InspectBlockResponse(block=self._fs_info(entry), stored_checksum=header.checksum)
+        response.checksum_xxh3, response.checksum = xxh3, computed
+        return response
 
     @unary
     async def DeleteBlocks(self, request: pb.DeleteBlocksRequest, context) -> pb.DeleteBlocksResponse:  # noqa: N802
@@ -294,3 +290,8 @@ class _PoolFigures:
 def _stats(tier: str, hits: int, misses: int, **values: int) -> pb.TierStats:
     asked = hits + misses
     return pb.TierStats(tier=tier, hits=hits, misses=misses, hit_ratio=hits / asked if asked else 0.0, **values)
+
+
+def _digests(block: np.ndarray) -> tuple[str, int]:
+    """(xxh3-64 hex, kvtier checksum) of one block's bytes [1, block_bytes]."""
+    return xxhash.xxh3_64_hexdigest(block), int(checksum.block_checksums(block)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 import uvloop
@@ -11,8 +12,11 @@ from kvtierd.config import load_config
 from kvtierd.logs import setup_logging
 from kvtierd.server import serve
 
+UMASK = 0o027  # what the daemon makes is never writable by its group, nor reachable by other users
+
 
 def main(argv: list[str] | None = None) -> None:
+    os.umask(UMASK)  # (whatever it inherits: a umask of 000 made the fs tier's directories writable by all)
     config = load_config(argv)
     setup_logging(config.log_level, config.log_format)
     raise_open_files_limit()

@@ -5,7 +5,9 @@ wrapper (timing metrics, error statuses, log lines); a refused call answers its 
 and message. A connection is served one call at a time, in order; connections run concurrently.
 A request larger than --max-message-size is answered RESOURCE_EXHAUSTED and its connection closed.
 An answer the client has not taken within ANSWER_WRITE_TIMEOUT_S closes its connection (a client
-that never reads would otherwise keep its answers, up to --max-message-size each, in memory).
+that never reads would otherwise keep its answers, up to --max-message-size each, in memory), and
+so does a request not whole within REQUEST_READ_TIMEOUT_S of its header (a client that stops
+halfway would keep what it sent, as much again).
 A handler may answer before it ends (`answer_now`: a GPU load answers the moment its bytes are
 seen in place, and releases its blocks after). An answer that cannot be written (the client went
 away meanwhile) ends the leases and reservations it carried (`on_undelivered`): nobody else knows
@@ -32,6 +34,7 @@ log = logging.getLogger("kvtierd.data_socket")
 
 _OK = 0
 ANSWER_WRITE_TIMEOUT_S = 10.0  # the longest an answer may wait for its client to read it
+REQUEST_READ_TIMEOUT_S = 10.0  # the longest a request may take to arrive whole once its header has come
 
 
 class _Refused(Exception):
@@ -107,16 +110,22 @@ class DataSocketServer:
         peer = f"data-socket:{next(self._ids)}"
         self._writers.add(writer)
         try:
+            loop = asyncio.get_running_loop()
             while True:
                 length, name_length = REQUEST_HEADER.unpack(await reader.readexactly(REQUEST_HEADER.size))
-                method = (await reader.readexactly(name_length)).decode(errors="replace")
-                if length > self.max_message_bytes:
-                    message = f"a {length}-byte request exceeds the limit of {self.max_message_bytes} bytes"
-                    log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
-                    await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
-                    return  # its bytes were not read: the connection cannot go on
+                late = loop.call_later(REQUEST_READ_TIMEOUT_S, writer.transport.abort)  # (a timer: no task per call)
+                try:
+                    method = (await reader.readexactly(name_length)).decode(errors="replace")
+                    if length > self.max_message_bytes:
+                        message = f"a {length}-byte request exceeds the limit of {self.max_message_bytes} bytes"
+                        log.warning("data socket request refused", extra={"method": method, "reason": message, "peer": peer})
+                        await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.encode())
+                        return  # its bytes were not read: the connection cannot go on
+                    payload = await reader.readexactly(length)
+                finally:
+                    late.cancel()
                 context = _CallContext(peer, writer.transport)
-                status, body = await self._call(method, await reader.readexactly(length), context)
+                status, body = await self._call(method, payload, context)
                 if not context.answered:
                     try:
                         await _answer(writer, status, body)

@@ -288,11 +288,12 @@ def _remove_any(path: Path) -> None:
 
 def _open_regular(path: Path, flags: int) -> int | None:
     """`path` opened with `flags` when it is a regular file; None for anything else (opened without
-    blocking: a FIFO would otherwise hold the opening thread until someone opened its other end)."""
+    blocking: a FIFO would otherwise hold the opening thread until someone opened its other end; a
+    symbolic link is not followed)."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK)
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
-        if exc.errno in (errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EOPNOTSUPP):  # (a FIFO, directory, device)
+        if exc.errno in (errno.ENXIO, errno.EISDIR, errno.ENODEV, errno.EOPNOTSUPP, errno.ELOOP):  # (FIFO, dir, device, link)
             return None
         raise
     if stat.S_ISREG(os.fstat(fd).st_mode):

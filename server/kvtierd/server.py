@@ -58,11 +58,13 @@ class Daemon:
     lock: int  # the fd holding <socket>.lock
 
 
-def own_directory(directory: Path, what: str, trusted: bool = False, mode: int = 0o750) -> Path:
+def own_directory(directory: Path, what: str, trusted: bool = False, mode: int = 0o750, private: bool = False) -> Path:
     """Create `directory` (with `mode`) or check the one there: no other user (root aside) may own
     it, or the link to it, or write in it (unless it is sticky, as /tmp): they could swap the
-    daemon's socket, pool file or block files for their own, or point them elsewhere. `trusted`
-    (--trust-directories) skips the check (a directory only this pod's containers reach)."""
+    daemon's socket, pool file or block files for their own, or point them elsewhere. A `private`
+    one (the fs tier's, whose namespace directories have names anyone can work out) must not be
+    writable by its group or by others at all, sticky or not. `trusted` (--trust-directories)
+    skips the check (a directory only this pod's containers reach)."""
     if not directory.exists() and not directory.is_symlink():
         directory.mkdir(parents=True, mode=mode)
     if trusted:
@@ -75,6 +77,11 @@ def own_directory(directory: Path, what: str, trusted: bool = False, mode: int =
         raise SystemExit(f"kvtierd: {what} {directory} is not a directory")
     if target.st_mode & stat.S_IWOTH and not target.st_mode & stat.S_ISVTX:
         raise SystemExit(f"kvtierd: {what} {directory} is writable by every user; refusing to use it")
+    if private and target.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SystemExit(
+            f"kvtierd: {what} {directory} is writable by other users (mode {stat.S_IMODE(target.st_mode):o}); "
+            "give it a directory only the daemon's user can write"
+        )
     return directory
 
 
@@ -253,7 +260,7 @@ def open_fs_tier(config: Config, pool: SharedPool, store: BlockStore) -> FsTier:
         queue_bytes=config.fs_queue_size,
         index_interval=config.fs_index_interval,
     )
-    own_directory(settings.root, "--fs-path", config.trust_directories)
+    own_directory(settings.root, "--fs-path", config.trust_directories, private=True)
     fs = FsTier(settings, pool, store)
     for spec in fs.open():
         try:

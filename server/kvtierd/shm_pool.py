@@ -6,6 +6,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -34,8 +35,7 @@ class SharedPool:
         self.page_size = page_size
         shm_dir.mkdir(parents=True, exist_ok=True)
         for stale in shm_dir.glob(prefix + "*"):
-            log.info("removing stale pool file", extra={"path": str(stale)})
-            stale.unlink(missing_ok=True)
+            _remove_stale(stale)
         fs = os.statvfs(shm_dir)
         if fs.f_bavail * fs.f_frsize < self.size:
             raise SystemExit(
@@ -98,3 +98,21 @@ class SharedPool:
             self._mmap.close()
         except BufferError:
             pass
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a pool file a daemon of this socket left (it died); anything else of that name (another
+    user's file, a directory, put there in a sticky /dev/shm) is left alone, with a warning: the
+    daemon starts all the same (its own pool file has a new name)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)) or info.st_uid != os.geteuid():
+        log.warning("not removing a file named like a stale pool file: not ours", extra={"path": str(path), "uid": info.st_uid})
+        return
+    log.info("removing stale pool file", extra={"path": str(path)})
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove a stale pool file", extra={"path": str(path), "reason": str(exc)})
