@@ -43,6 +43,18 @@ def wait_on_disk(daemon: DaemonProcess, blocks: int, timeout: float = 20.0) -> p
     return stats
 
 
+def written_then_stopped(fs_daemons, hashes: list[bytes], block_bytes: int = BLOCK, *args: str) -> tuple[DaemonProcess, str]:
+    """A daemon (with `args`) that wrote the blocks `hashes` through to disk and stopped; and their
+    namespace's id."""
+    daemon = fs_daemons("--fs-write-through", "true", *args)
+    with KVTierClient(daemon.address) as client:
+        ns = client.register(spec(block_bytes=block_bytes))
+        client.store(ns, hashes, contents(hashes, block_bytes))
+        wait_on_disk(daemon, len(hashes))
+    assert daemon.stop() == 0
+    return daemon, ns.id
+
+
 def block_file(daemon: DaemonProcess, namespace: str, block_hash: bytes) -> Path:
     return daemon.directory / "fs" / namespace / block_hash.hex()[0] / (block_hash.hex() + ".kvb")
 
@@ -497,15 +509,10 @@ def test_a_read_only_disk_at_start_serves_its_blocks_and_the_ram_tier(fs_daemons
     """The tier's filesystem is read-only when the daemon starts (ext4 remounts read-only after I/O
     errors), with leftovers of interrupted writes it cannot remove: the daemon starts, serves the
     blocks on disk and the RAM tier, and pauses stores to disk with a logged error."""
-    daemon = fs_daemons("--fs-write-through", "true")
-    with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        hashes = chain_hashes("read-only", 8)
-        client.store(ns, hashes, contents(hashes, BLOCK))
-        wait_on_disk(daemon, 8)
-    assert daemon.stop() == 0
+    hashes = chain_hashes("read-only", 8)
+    daemon, ns_id = written_then_stopped(fs_daemons, hashes)
     fs = daemon.directory / "fs"
-    strays = [fs / "index.kvi.1.tmp", fs / ns.id / "namespace.pb.1.tmp", block_file(daemon, ns.id, hashes[0]).with_suffix(".tmp")]
+    strays = [fs / "index.kvi.1.tmp", fs / ns_id / "namespace.pb.1.tmp", block_file(daemon, ns_id, hashes[0]).with_suffix(".tmp")]
     for stray in strays:
         stray.write_bytes(b"interrupted")
     read_only = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
@@ -670,22 +677,17 @@ def test_blocks_deleted_before_a_crash_stay_deleted(fs_daemons, call):
     the answer cannot bring them back at the next start. (They answered while the removals still
     waited for an I/O thread, and most of several thousand cleared blocks were indexed and served
     again after the crash.)"""
-    daemon = fs_daemons("--fs-size", "1GiB", "--fs-write-through", "true")
     hashes = chain_hashes(f"deleted-{call}", 4000)
-    with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=SMALL))
-        client.store(ns, hashes[:1], contents(hashes[:1], SMALL))  # (its namespace's directory and spec file)
-        wait_on_disk(daemon, 1)
-    assert daemon.stop() == 0
+    daemon, ns_id = written_then_stopped(fs_daemons, hashes[:1], SMALL, "--fs-size", "1GiB")  # (its directory, spec file)
     root, data = daemon.directory / "fs", fs_format.aligned_empty(SMALL)
     for h in hashes[1:]:  # blocks of a namespace, as a long-running daemon would have written them
         fs_format.write_block_file(
-            fs_format.block_path(root, ns.id, h), ns.id, h, SMALL, 0, time.time(), [memoryview(data)], False, durable=False
+            fs_format.block_path(root, ns_id, h), ns_id, h, SMALL, 0, time.time(), [memoryview(data)], False, durable=False
         )
     again = fs_daemons("--fs-size", "1GiB", directory=daemon.directory)
     assert fs_stats(again).blocks == len(hashes)
     fields = {"hashes": b"".join(hashes)} if call == "DeleteBlocks" else {}
-    assert again.admin(call, namespace=ns.id, **fields).deleted_count == len(hashes)
+    assert again.admin(call, namespace=ns_id, **fields).deleted_count == len(hashes)
     again.process.send_signal(signal.SIGKILL)
     again.process.wait()
     third = fs_daemons("--fs-size", "1GiB", directory=daemon.directory)
@@ -697,14 +699,9 @@ def test_a_fifo_named_like_a_block_is_a_miss_removed_and_the_daemon_still_stops(
     at start; its first read must not wait for a writer that never comes (the promotion's pages held
     for good, and an I/O thread that kept the daemon from exiting): it is a bad block, a miss, and
     removed."""
-    daemon = fs_daemons("--fs-write-through", "true")
-    with KVTierClient(daemon.address) as client:
-        ns = client.register(spec(block_bytes=BLOCK))
-        hashes = chain_hashes("fifo", 2)
-        client.store(ns, hashes, contents(hashes, BLOCK))
-        wait_on_disk(daemon, 2)
-    assert daemon.stop() == 0
-    path = block_file(daemon, ns.id, hashes[0])
+    hashes = chain_hashes("fifo", 2)
+    daemon, ns_id = written_then_stopped(fs_daemons, hashes)
+    path = block_file(daemon, ns_id, hashes[0])
     path.unlink()
     os.mkfifo(path)
     again = fs_daemons(directory=daemon.directory)

@@ -24,6 +24,12 @@ BATCH_QUERIES_FACTOR = 16  # a LookupBatch holds up to this many times max_batch
 TRANSPORTS = {"shm": pb.TRANSPORT_SHM, "inline": pb.TRANSPORT_INLINE}
 
 
+def inline_blocks_fitting(max_message_bytes: int, block_bytes: int) -> int:
+    """The most blocks whose bytes and checksums (8 bytes each) fit one message, beside the rest of it
+    (INLINE_OVERHEAD_BYTES): an inline Commit's, or an inline Load's answer."""
+    return (max_message_bytes - INLINE_OVERHEAD_BYTES) // (block_bytes + 8)
+
+
 @dataclass(frozen=True)
 class Namespace:
     """A registered namespace: its id and the geometry calls are checked against."""
@@ -78,10 +84,10 @@ class SessionState:
     _mapped_pool_id: str = ""
 
     def max_inline_blocks(self, block_bytes: int) -> int:
-        """The most blocks whose bytes and checksums (8 bytes each) fit one message to or from the
-        daemon, beside the rest of it (at least one)."""
+        """inline_blocks_fitting the daemon's message limit (at least one: a larger block is the
+        daemon's to refuse)."""
         limit = self.limits.max_message_bytes if self.limits is not None and self.limits.max_message_bytes else 64 << 20
-        return max(1, (limit - INLINE_OVERHEAD_BYTES) // (block_bytes + 8))
+        return max(1, inline_blocks_fitting(limit, block_bytes))
 
     @property
     def max_batch_blocks(self) -> int:

@@ -13,7 +13,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvtier import checksum
-from kvtier.ops import BATCH_QUERIES_FACTOR
+from kvtier.ops import BATCH_QUERIES_FACTOR, inline_blocks_fitting
 from kvtier.pool_view import decode_page_ids
 from kvtier.v1 import kvtier_pb2 as pb
 from kvtier.v1 import kvtier_pb2_grpc as pb_grpc
@@ -37,8 +37,6 @@ from kvtierd.shm_pool import SharedPool
 
 log = logging.getLogger("kvtierd.data")
 
-# Room left in a message for everything but block bytes.
-_MESSAGE_OVERHEAD = 64 << 10
 # Loads that end the lease they name, refused or not (a shm load's lease is the client's to release).
 _RELEASING = (pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC)
 MAX_NAME_CHARS = 256  # Hello's engine_name and hostname (every session's go into ListEngines answers)
@@ -396,11 +394,10 @@ class DataService(pb_grpc.KVTierServicer):
     def _load_inline(self, session_id: str, lease: Lease) -> pb.LoadResponse:
         ns = lease.namespace
         try:
-            size = len(lease.blocks) * (ns.block_bytes + 8)  # (the bytes, and a checksum each)
-            if size > self.limits.max_message_bytes - _MESSAGE_OVERHEAD:
+            if len(lease.blocks) > inline_blocks_fitting(self.limits.max_message_bytes, ns.block_bytes):
                 raise ResourceExhausted(
-                    f"inline load of {size} bytes exceeds the message limit of {self.limits.max_message_bytes} "
-                    "bytes; load fewer blocks per call or use TRANSPORT_SHM"
+                    f"inline load of {len(lease.blocks) * ns.block_bytes} bytes exceeds the message limit of "
+                    f"{self.limits.max_message_bytes} bytes; load fewer blocks per call or use TRANSPORT_SHM"
                 )
             data = self.pool.view.read_blocks(decode_page_ids(lease.page_ids, ns.pages_per_block), ns.block_bytes)
             return pb.LoadResponse(block_count=len(lease.blocks), data=data.tobytes(), checksums=self._checksums(lease))

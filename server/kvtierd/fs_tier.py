@@ -147,12 +147,12 @@ class _Write:
 
 @dataclass
 class Deletion:
-    """What a DeleteBlocks or Clear took off disk: the hashes that were indexed, per namespace, and
-    every block whose file it removes (with the writes in flight it cancelled), for `FsTier.gone`."""
+    """What a DeleteBlocks or Clear took off disk: the hashes that were indexed, per namespace; the jobs
+    removing its blocks' files; and the writes in flight it cancelled (for `FsTier.gone`)."""
 
     hashes: dict[str, set[bytes]] = field(default_factory=lambda: defaultdict(set))
-    keys: list[Key] = field(default_factory=list)
-    removal: asyncio.Future | None = None  # of the files of its blocks that other jobs were to remove
+    removals: list[asyncio.Future] = field(default_factory=list)
+    cancelled: list[Key] = field(default_factory=list)
 
 
 class FsTier:
@@ -651,8 +651,8 @@ class FsTier:
                 cancelled.append((ns_id, block_hash))
             if (ns_id, block_hash) in self._promotions:
                 self._deleted_while_promoted.add((ns_id, block_hash))
-        wanted = {self._path_of(ns_id, h) for h in hashes}
-        return self._delete_entries(entries, cancelled, [path for path in self._removals if path in wanted])
+        pending = [path for path in map(partial(self._path_of, ns_id), hashes) if path in self._removals]
+        return self._delete_entries(entries, cancelled, pending)
 
     def clear(self, ns_id: str | None) -> Deletion:
         """Delete every block of a namespace (or all); `gone` waits for their files."""
@@ -670,31 +670,29 @@ class FsTier:
         queued writes). Files of the deleted blocks out of the index already whose removal waits for
         another job (`pending`: evicted for a write still queued) are removed now too; that job then
         finds them gone (a write that was to reuse one makes a new file)."""
-        deleted = Deletion()
-        indexed = {self._path(e) for e in entries}
-        pending = [path for path in pending if path not in indexed]
-        if pending:
-            deleted.removal = self._run(self._unlink_all, pending, executor=self.remover)
+        deleted = Deletion(cancelled=cancelled)
+        if pending:  # (an indexed file has no removal pending: these are none of `entries`)
+            removal = self._run(self._unlink_all, pending, executor=self.remover)
             for path in pending:  # (a new file of that name still waits for the other job too)
-                self._removing_by([path], _when_both(self._removals[path], deleted.removal))
+                self._removing_by([path], _when_both(self._removals[path], removal))
+            deleted.removals.append(removal)
         for entry in entries:
             self.index.remove(entry)
             deleted.hashes[entry.namespace].add(entry.hash)
         if entries:
             paths = [self._path(e) for e in entries]
-            self._remove(paths, sum(e.charge for e in entries), executor=self.remover)
-        deleted.keys = [(e.namespace, e.hash) for e in entries] + cancelled
+            deleted.removals.append(self._remove(paths, sum(e.charge for e in entries), executor=self.remover))
         return deleted
 
     async def gone(self, deletion: Deletion) -> None:
         """Wait until the files of a deletion are removed: their removal, and the writes in flight it
         cancelled, each with the removal of its file once written. A crash after that cannot bring the
         blocks back (a crash before it can: the next start finds the files still there)."""
-        while True:
-            pending = {self._removals.get(self._path_of(*key)) for key in deletion.keys}
-            pending |= {job.written for key in deletion.keys if (job := self._writes.get(key)) is not None and job.cancelled}
-            if deletion.removal is not None and not deletion.removal.done():
-                pending.add(deletion.removal)
+        if deletion.removals:
+            await asyncio.wait(deletion.removals)
+        while True:  # (a cancelled write's file is removed once written, by a job that starts then)
+            pending = {self._removals.get(self._path_of(*key)) for key in deletion.cancelled}
+            pending |= {job.written for key in deletion.cancelled if (job := self._writes.get(key)) is not None and job.cancelled}
             pending.discard(None)
             if not pending:
                 return
@@ -738,9 +736,9 @@ class FsTier:
     def _path(self, entry: FsEntry) -> Path:
         return self._path_of(entry.namespace, entry.hash)
 
-    def _remove(self, paths: list[Path], charge: int, executor: ThreadPoolExecutor | None = None) -> None:
-        """Unlink files on an I/O thread. They are out of the index, but until they are gone they still
-        count against --fs-size (`charge`), so writes meanwhile do not take their room twice."""
+    def _remove(self, paths: list[Path], charge: int, executor: ThreadPoolExecutor | None = None) -> asyncio.Future:
+        """Unlink files on an I/O thread (the job). They are out of the index, but until they are gone
+        they still count against --fs-size (`charge`), so writes meanwhile do not take their room twice."""
         self.index.removing_bytes += charge
         job = self._run(self._unlink_all, paths, executor=executor)
         self._removing_by(paths, job)
@@ -749,6 +747,7 @@ class FsTier:
             self.index.removing_bytes -= charge
 
         job.add_done_callback(removed)
+        return job
 
     def _unlink_all(self, paths: list[Path]) -> None:
         for path in paths:
